@@ -1,0 +1,144 @@
+"""Typed, frozen params: `params.yaml` sections load into dataclasses, and bad input names its key.
+
+Every section of `params.yaml` is a frozen dataclass. Loading is strict: an unknown key is an error that
+names the closest valid key, a wrong type names the key, the value and the expected type. YAML is read as
+YAML 1.2 (ruamel), so `1e-4` is a number, as DVC reads it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from ruamel.yaml import YAML
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A param is missing, unknown or of the wrong type; the message names it and says how to fix it."""
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML 1.2 document into plain Python objects (dict, list, str, int, float, bool, None)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found")
+    yaml = YAML(typ="safe", pure=True)
+    with path.open("r", encoding="utf-8") as fh:
+        data = yaml.load(fh)
+    return {} if data is None else data
+
+
+def _closest(name: str, options: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"mapping ({tp.__name__})"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; convert lists to tuples and mappings to dataclasses."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(
+            f"{where}: got {value!r}, expected {' or '.join(_type_name(a) for a in args)}"
+        )
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{where}: got {value!r}, expected one of {_type_name(tp)}")
+        return value
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: got {value!r}, expected a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: got {value!r}, expected a list of {len(args)} items")
+        return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: got {value!r}, expected bool (true or false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: got {value!r}, expected int")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: got {value!r}, expected float (a number such as 1.0e-4)")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: got {value!r}, expected str")
+        return value
+    raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a params class, not user input
+
+
+def from_dict(cls: type[T], data: Any, where: str) -> T:
+    """Build the frozen dataclass `cls` from a mapping, strictly; `where` names it in errors ('train')."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: got {data!r}, expected a mapping of keys to values")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}: unknown key{_closest(str(key), fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, field in fields.items():
+        key = f"{where}.{name}"
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key}: required key is missing; add it to params.yaml")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # __post_init__ validation
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain (JSON-able) form of a params dataclass, tuples as lists."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def load_section(cls: type[T], params_path: str | Path, section: str) -> T:
+    """Load one top-level section of a params file into `cls`; other sections are left unread."""
+    data = load_yaml(params_path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{params_path}: expected a mapping of sections at the top level")
+    return from_dict(cls, data.get(section), section)

@@ -1,0 +1,37 @@
+"""Content hashing: xxh3-128 over file bytes and over canonical JSON. Pure except for file reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+_CHUNK = 8 << 20
+
+
+def hash_bytes(data: bytes) -> str:
+    """xxh3-128 of `data`, as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_file(path: str | Path) -> str:
+    """xxh3-128 of a file's bytes, as 32 hex digits, streamed in 8 MiB chunks."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: the same value always gives the same text."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def hash_json(obj: Any) -> str:
+    """xxh3-128 of the canonical JSON of `obj`."""
+    return hash_bytes(canonical_json(obj).encode("utf-8"))

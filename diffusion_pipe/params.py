@@ -1,0 +1,165 @@
+"""The sections of `params.yaml`, one frozen dataclass each, plus the loader for the whole file.
+
+Each stage reads only its own section and `model`; DVC's granular `params:` lists in `dvc.yaml` name exactly
+those keys, so editing one key re-runs only the stages that read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from diffusion_pipe.config import ConfigError, _closest, from_dict, load_yaml
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """Which base model: a registered family and where its diffusers-format weights are."""
+
+    family: str = "flux"
+    path: str = ""  # a local diffusers directory (relative to the repo root) or a hub id
+    dtype: Dtype = "bfloat16"  # dtype of the frozen base weights and of the encoders
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("model.path is empty: set it to a diffusers directory or a hub id")
+
+
+@dataclass(frozen=True)
+class DatasetParams:
+    """One dataset directory and how its items are captioned, bucketed and split."""
+
+    path: str
+    name: str = ""  # defaults to the directory's base name
+    repeats: int = 1
+    resolutions: tuple[int, ...] = (512,)  # bucket target areas, as side lengths (512 -> 512*512 pixels)
+    frames: tuple[int, ...] = (1,)  # frame buckets for videos; images always have 1 frame
+    never_upscale: bool = False
+    caption_policy: Literal["error", "default", "skip"] = "error"
+    default_caption: str = ""
+    caption_prefix: str = ""
+    eval_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"dataset {self.path!r}: repeats must be >= 1, got {self.repeats}")
+        if not self.resolutions or min(self.resolutions) <= 0:
+            raise ValueError(f"dataset {self.path!r}: resolutions must be positive, got {self.resolutions}")
+        if not self.frames or min(self.frames) <= 0:
+            raise ValueError(f"dataset {self.path!r}: frames must be positive, got {self.frames}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"dataset {self.path!r}: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.caption_policy == "default" and not self.default_caption:
+            raise ValueError(
+                f"dataset {self.path!r}: caption_policy is 'default' but default_caption is empty; set it"
+            )
+
+
+@dataclass(frozen=True)
+class ScanParams:
+    """The scan stage: which datasets, and how buckets are laid out."""
+
+    datasets: tuple[DatasetParams, ...] = ()
+    bucket_step: int = 64  # bucket sides are multiples of this many pixels
+    min_aspect: float = 0.5  # narrowest bucket, width / height
+    max_aspect: float = 2.0  # widest bucket, width / height
+    max_image_pixels: int = 178_956_970  # larger images are excluded as decompression bombs
+    workers: int = 0  # 0: every core
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ValueError("datasets is empty: list at least one dataset directory under scan.datasets")
+        if self.bucket_step <= 0 or not 0 < self.min_aspect <= 1 <= self.max_aspect:
+            raise ValueError("bucket_step must be > 0 and min_aspect <= 1 <= max_aspect")
+
+
+@dataclass(frozen=True)
+class EncodeParams:
+    """The encode stage: how latents and text embeddings are computed."""
+
+    batch_size: int = 8
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    text_max_length: int = 512  # tokens of the sequence text encoder (T5 for Flux)
+    pack_size_mb: int = 256  # a store pack is flushed once it holds this much
+    workers: int = 2  # CPU workers decoding and resizing media
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """The train stage: optimisation, LoRA, objective, parallel layout, checkpoints and evaluation."""
+
+    seed: int = 0
+    steps: int = 100
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1.0e-4
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1.0e-8
+    max_grad_norm: float = 1.0
+    lora_rank: int = 16
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()  # module name suffixes; empty: the family's defaults
+    timestep_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    flow_shift: float = 1.0
+    guidance: float = 1.0  # value fed to guidance-distilled models (Flux-dev) during training
+    pipeline_stages: int = 1
+    activation_checkpointing: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every_steps: int = 0  # 0: only at the end
+    eval_every_steps: int = 0  # 0: only at the start and the end
+    eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
+            raise ValueError("steps, micro_batch_size and gradient_accumulation_steps must be >= 1")
+        if self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be >= 1, got {self.pipeline_stages}")
+        if self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class ExportParams:
+    """The export stage: which LoRA formats to write."""
+
+    formats: tuple[Literal["diffusers", "comfyui"], ...] = ("diffusers",)
+    name: str = "lora"
+
+
+@dataclass(frozen=True)
+class Params:
+    """The whole `params.yaml`."""
+
+    model: ModelParams
+    scan: ScanParams
+    encode: EncodeParams = field(default_factory=EncodeParams)
+    train: TrainParams = field(default_factory=TrainParams)
+    export: ExportParams = field(default_factory=ExportParams)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelParams, "scan": ScanParams, "encode": EncodeParams, "train": TrainParams, "export": ExportParams,
+}
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Load and validate the whole params file; any bad key anywhere is an error naming it."""
+    data = load_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(_SECTIONS)})")
+    for key in data:
+        if key not in _SECTIONS:
+            raise ConfigError(f"{path}: unknown section '{key}'{_closest(str(key), _SECTIONS)}")
+    for name in ("model", "scan"):
+        if name not in data:
+            raise ConfigError(f"{path}: section '{name}' is missing; add it (see the README)")
+    return Params(**{name: from_dict(cls, data.get(name), name) for name, cls in _SECTIONS.items()})
