@@ -1,0 +1,297 @@
+"""Packs and their sidecars: the on-disk format of the store, and the writer that publishes them.
+
+A pack is an immutable safetensors file holding many entries of one family. Tensor `name` of entry `key` is
+stored under the safetensors name ``f"{key}/{name}"`` (keys never contain "/", names may). The pack's file name is
+the xxh3-128 of its own bytes, so a pack can always be checked against its name.
+
+Its sidecar ``<packhash>.json`` lists every entry (key -> tensor name -> shape, dtype), the pack's hash and size.
+The sidecar is written last: a pack without its sidecar is invisible, so a crash at any point publishes nothing
+partial. Temp files start with "." and end with ".tmp"; readers never look at them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from diffusion_pipe.fileio import fsync_dir, write_json_atomic
+from diffusion_pipe.hashing import canonical_json, hash_file
+
+if TYPE_CHECKING:
+    from diffusion_pipe.store.store import Store
+
+SIDECAR_FORMAT = 1
+PACK_SUFFIX = ".safetensors"
+SIDECAR_SUFFIX = ".json"
+TEMP_PREFIX = ".pack-"
+TEMP_SUFFIX = ".tmp"
+PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+FAMILY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+# Directories under the store root that are not families.
+RESERVED_DIRS = frozenset({"quarantine", "hash-cache", "remote-index"})
+
+# safetensors header dtype codes -> torch dtype names as the sidecar records them.
+_ST_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+# A safetensors header larger than this is not one we wrote: treat it as corruption instead of allocating it.
+_MAX_HEADER = 256 << 20
+
+
+class StoreError(ValueError):
+    """A user-facing store problem; the message names the key, pack or path and what to do about it."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the dtype spelling used in sidecars and spec()."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_name(key: str, name: str) -> str:
+    """The safetensors name of tensor `name` of entry `key` inside a pack."""
+    return f"{key}/{name}"
+
+
+def check_family(family: str) -> str:
+    """Return `family` if it is a valid family name, else raise StoreError."""
+    if not isinstance(family, str) or not FAMILY_RE.match(family) or family in RESERVED_DIRS:
+        raise StoreError(
+            f"invalid store family {family!r}: use a short lowercase name such as 'latent' or 'text' "
+            f"(not one of {sorted(RESERVED_DIRS)})"
+        )
+    return family
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it can name an entry (non-empty, no '/', no whitespace), else raise StoreError."""
+    if not isinstance(key, str) or not key or "/" in key or key != key.strip() or len(key) > 200:
+        raise StoreError(
+            f"invalid store key {key!r}: keys are non-empty strings without '/' or surrounding whitespace, "
+            "such as the hex digests from diffusion_pipe.encode.keys"
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """The index of one pack: which entries it holds and what the pack's bytes must hash to."""
+
+    family: str
+    pack_id: str
+    size: int
+    entries: dict[str, dict[str, dict[str, Any]]]  # key -> tensor name -> {"shape": [...], "dtype": "float32"}
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``<pack_id>.json``."""
+        return {
+            "format": SIDECAR_FORMAT,
+            "family": self.family,
+            "pack": self.pack_id + PACK_SUFFIX,
+            "xxh3_128": self.pack_id,
+            "size": self.size,
+            "entries": self.entries,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: Path) -> Sidecar:
+        """Parse a sidecar object read from `where`; raise StoreError if it is not one we wrote."""
+        try:
+            if obj["format"] != SIDECAR_FORMAT:
+                raise StoreError(
+                    f"sidecar {where} has format {obj['format']!r}, this code reads format {SIDECAR_FORMAT}: "
+                    "upgrade diffusion-pipe or move the store aside"
+                )
+            sidecar = cls(
+                family=str(obj["family"]), pack_id=str(obj["xxh3_128"]), size=int(obj["size"]), entries=obj["entries"]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise StoreError(f"sidecar {where} is malformed ({exc!r}): run store verify to quarantine it") from exc
+        if sidecar.pack_id != where.stem or not isinstance(sidecar.entries, dict):
+            raise StoreError(f"sidecar {where} does not describe pack {where.stem}: run store verify to quarantine it")
+        return sidecar
+
+    def spec(self, key: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Tensor name -> (shape, dtype name) of entry `key`."""
+        return {name: (tuple(t["shape"]), t["dtype"]) for name, t in self.entries[key].items()}
+
+
+def read_sidecar(path: Path) -> Sidecar:
+    """Load and parse one sidecar file."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"sidecar {path} is not valid JSON ({exc}): run store verify to quarantine it") from exc
+    return Sidecar.from_json(obj, path)
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The safetensors header of `path` (without __metadata__) and the byte offset where tensor data starts."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError("file shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER:
+            raise ValueError(f"header length {n} is implausible")
+        text = fh.read(n)
+        if len(text) < n:
+            raise ValueError("header truncated")
+    header = json.loads(text)
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def check_pack(path: Path, sidecar: Sidecar, *, full_hash: bool) -> str | None:
+    """Why the pack at `path` does not match `sidecar`, or None when it does.
+
+    Always: the file exists, its size is the sidecar's, and its safetensors header lists exactly the sidecar's
+    tensors with their shapes and dtypes and offsets inside the file (a few KB read). With `full_hash`: the
+    xxh3-128 of all bytes equals the pack id (a full read, ~6 GB/s from page cache).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "pack file is missing"
+    if size != sidecar.size:
+        return f"pack is {size} bytes, its sidecar says {sidecar.size} (truncated or overwritten)"
+    try:
+        header, data_start = read_header(path)
+        expected = {
+            tensor_name(key, name): t for key, tensors in sidecar.entries.items() for name, t in tensors.items()
+        }
+        if set(header) != set(expected):
+            return "pack header lists different tensors than its sidecar"
+        for tname, t in expected.items():
+            h = header[tname]
+            dtype = _ST_DTYPES.get(h["dtype"], h["dtype"])
+            if list(h["shape"]) != list(t["shape"]) or dtype != t["dtype"]:
+                return f"tensor {tname} is {dtype}{h['shape']} in the pack, {t['dtype']}{t['shape']} in the sidecar"
+            if data_start + int(h["data_offsets"][1]) > size:
+                return f"tensor {tname} extends past the end of the pack"
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"pack header is unreadable ({exc})"
+    if full_hash:
+        actual = hash_file(path)
+        if actual != sidecar.pack_id:
+            return f"pack bytes hash to {actual}, not {sidecar.pack_id} (corrupted on disk or in transfer)"
+    return None
+
+
+class PackWriter:
+    """Buffers entries of one family and publishes them as packs of about `pack_bytes` each.
+
+    Use as a context manager. A normal exit publishes what is still buffered; an exception (or a kill) publishes
+    nothing still buffered, while packs already flushed stay: each is complete and indexed by its sidecar.
+    """
+
+    def __init__(self, store: Store, family: str, pack_bytes: int = 256 << 20) -> None:
+        if pack_bytes <= 0:
+            raise StoreError(f"pack_bytes must be positive, got {pack_bytes}")
+        self._store = store
+        self.family = check_family(family)
+        self.pack_bytes = pack_bytes
+        self._buffer: dict[str, dict[str, torch.Tensor]] = {}
+        self._buffered_bytes = 0
+        self.written = 0
+        self.packs: list[str] = []
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.flush()
+        else:
+            # A failed run must not publish a half-made batch; flushed packs are whole and stay.
+            self._buffer.clear()
+            self._buffered_bytes = 0
+
+    def add(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Buffer entry `key`; publish a pack once the buffer holds `pack_bytes` or more.
+
+        Tensors are copied to contiguous CPU memory, so the caller may reuse its buffers. A key added twice
+        to one writer is kept once: equal keys mean equal content by construction.
+        """
+        check_key(key)
+        if not isinstance(tensors, dict) or not tensors:
+            raise StoreError(f"entry {key}: tensors must be a non-empty dict of name -> torch.Tensor")
+        if key in self._buffer:
+            return
+        stored: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise StoreError(f"entry {key}: tensor names must be non-empty strings, got {name!r}")
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                raise StoreError(f"entry {key}: {name!r} must be a dense torch.Tensor, got {type(t).__name__}")
+            stored[name] = t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+        self._buffer[key] = stored
+        self._buffered_bytes += sum(t.numel() * t.element_size() for t in stored.values())
+        if self._buffered_bytes >= self.pack_bytes:
+            self.flush()
+
+    def flush(self) -> str | None:
+        """Publish the buffered entries as one pack now; return its id (None if nothing was buffered)."""
+        if not self._buffer:
+            return None
+        directory = self._store.root / self.family
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {tensor_name(k, n): t for k, entry in self._buffer.items() for n, t in entry.items()}
+        entries = {
+            k: {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in entry.items()}
+            for k, entry in self._buffer.items()
+        }
+        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=directory)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            # One metadata key with canonical JSON: safetensors writes a metadata map in arbitrary order, and
+            # equal content should give equal bytes (hence the same pack id) across writers.
+            save_file(tensors, tmp, metadata={"diffusion_pipe": canonical_json({"family": self.family, "format": 1})})
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            pack_id = hash_file(tmp)
+            size = tmp.stat().st_size
+            # Replacing an existing pack of the same id is harmless: same id, same bytes.
+            os.replace(tmp, directory / (pack_id + PACK_SUFFIX))
+            fsync_dir(directory)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        sidecar = Sidecar(family=self.family, pack_id=pack_id, size=size, entries=entries)
+        write_json_atomic(directory / (pack_id + SIDECAR_SUFFIX), sidecar.to_json())
+        self._store._register(sidecar)
+        self.written += len(self._buffer)
+        self.packs.append(pack_id)
+        self._buffer.clear()
+        self._buffered_bytes = 0
+        return pack_id

@@ -1,0 +1,116 @@
+"""Weights and tokenizer hashing, and the stat cache that spares re-hashing large files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.weights import component_hash, file_hash_cached, tokenizer_hash
+
+
+def _rewrite_keeping_stat(path: Path, data: bytes) -> None:
+    """Change the bytes but not size or mtime: the cache cannot tell, by design."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_cache_returns_stored_hash_until_stat_changes(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"A" * 1000)
+    first = file_hash_cached(f, cache)
+    assert first == hash_file(f)
+    (entry,) = cache.glob("*.json")
+    assert json.loads(entry.read_text())["xxh3_128"] == first
+
+    _rewrite_keeping_stat(f, b"B" * 1000)
+    assert file_hash_cached(f, cache) == first  # served from the cache: not re-hashed
+
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    second = file_hash_cached(f, cache)
+    assert second == hash_file(f) != first
+    assert json.loads(entry.read_text())["xxh3_128"] == second
+
+
+def test_cache_keys_by_inode(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"A" * 100)
+    first = file_hash_cached(f, cache)
+    st = f.stat()
+    other = tmp_path / "new.bin"
+    other.write_bytes(b"C" * 100)
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, f)  # same path, size and mtime; new inode
+    assert file_hash_cached(f, cache) == hash_file(f) != first
+
+
+def test_default_cache_lives_under_the_store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(tmp_path / "store"))
+    f = tmp_path / "w.pt"
+    f.write_bytes(b"x")
+    assert file_hash_cached(f) == hash_file(f)
+    assert len(list((tmp_path / "store" / "hash-cache").glob("*.json"))) == 1
+
+
+def _component(root: Path) -> Path:
+    (root / "vae").mkdir(parents=True)
+    (root / "vae" / "config.json").write_text('{"latent_channels": 4}')
+    (root / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights" * 10)
+    (root / "vae" / "README.md").write_text("ignored")
+    (root / "vae" / ".cache").mkdir()
+    (root / "vae" / ".cache" / "x.safetensors").write_bytes(b"ignored")
+    return root / "vae"
+
+
+def test_component_hash_ignores_location_and_non_weights(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    a, b = _component(tmp_path / "a"), _component(tmp_path / "b")
+    base = component_hash(a, cache)
+    assert component_hash(b, cache) == base
+    (a / "README.md").write_text("changed")
+    (a / ".cache" / "x.safetensors").write_bytes(b"changed too")
+    assert component_hash(a, cache) == base
+    (a / "config.json").write_text('{"latent_channels": 16}')
+    assert component_hash(a, cache) != base
+    (b / "diffusion_pytorch_model.safetensors").write_bytes(b"weights" * 11)
+    assert component_hash(b, cache) != base
+
+
+def test_component_hash_depends_on_file_names(tmp_path: Path) -> None:
+    a = _component(tmp_path / "a")
+    base = component_hash(a, tmp_path / "cache")
+    os.rename(a / "diffusion_pytorch_model.safetensors", a / "model.safetensors")
+    assert component_hash(a, tmp_path / "cache") != base
+
+
+def test_component_hash_errors(tmp_path: Path) -> None:
+    with pytest.raises(NotADirectoryError, match="does not exist"):
+        component_hash(tmp_path / "nope", tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no weights file"):
+        component_hash(tmp_path / "empty", tmp_path / "cache")
+
+
+def test_tokenizer_hash(tmp_path: Path) -> None:
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "vocab.json").write_text('{"a": 0}')
+    (tok / "merges.txt").write_text("a b\n")
+    base = tokenizer_hash(tok)
+    moved = tmp_path / "elsewhere"
+    tok.rename(moved)
+    assert tokenizer_hash(moved) == base
+    (moved / "special_tokens_map.json").write_text("{}")
+    assert tokenizer_hash(moved) != base
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is empty"):
+        tokenizer_hash(tmp_path / "empty")
