@@ -4,8 +4,9 @@ A pack is an immutable safetensors file holding many entries of one family. Tens
 stored under the safetensors name ``f"{key}/{name}"`` (keys never contain "/", names may). The pack's file name is
 the xxh3-128 of its own bytes, so a pack can always be checked against its name.
 
-Its sidecar ``<packhash>.json`` lists every entry (key -> tensor name -> shape, dtype), the pack's hash and size.
-The sidecar is written last: a pack without its sidecar is invisible, so a crash at any point publishes nothing
+Its sidecar ``<packhash>.json`` (compact JSON) lists every entry: ``specs`` holds each distinct layout (tensor
+name -> shape, dtype) once and ``entries`` maps key -> index into ``specs``; plus the pack's hash and size. The
+sidecar is written last: a pack without its sidecar is invisible, so a crash at any point publishes nothing
 partial. Temp files start with "." and end with ".tmp"; readers never look at them.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from diffusion_pipe.fileio import fsync_dir, write_json_atomic
+from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
 from diffusion_pipe.hashing import canonical_json, hash_file
 
 if TYPE_CHECKING:
@@ -99,12 +100,18 @@ def check_key(key: str) -> str:
 
 @dataclass(frozen=True)
 class Sidecar:
-    """The index of one pack: which entries it holds and what the pack's bytes must hash to."""
+    """The index of one pack: which entries it holds and what the pack's bytes must hash to.
+
+    Entries of one pack mostly share one layout (same bucket, same encoder), so the sidecar lists each distinct
+    layout once in `specs` (tensor name -> {"shape": [...], "dtype": "float32"}) and maps every key to the
+    index of its layout: a sidecar of thousands of keys stays small and parses fast.
+    """
 
     family: str
     pack_id: str
     size: int
-    entries: dict[str, dict[str, dict[str, Any]]]  # key -> tensor name -> {"shape": [...], "dtype": "float32"}
+    specs: list[dict[str, dict[str, Any]]]
+    entries: dict[str, int]  # key -> index into specs
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``<pack_id>.json``."""
@@ -114,6 +121,7 @@ class Sidecar:
             "pack": self.pack_id + PACK_SUFFIX,
             "xxh3_128": self.pack_id,
             "size": self.size,
+            "specs": self.specs,
             "entries": self.entries,
         }
 
@@ -127,19 +135,42 @@ class Sidecar:
                     "upgrade diffusion-pipe or move the store aside"
                 )
             sidecar = cls(
-                family=str(obj["family"]), pack_id=str(obj["xxh3_128"]), size=int(obj["size"]), entries=obj["entries"]
+                family=str(obj["family"]),
+                pack_id=str(obj["xxh3_128"]),
+                size=int(obj["size"]),
+                specs=list(obj["specs"]),
+                entries=dict(obj["entries"]),
             )
+            n = len(sidecar.specs)
+            if not all(isinstance(i, int) and 0 <= i < n for i in sidecar.entries.values()):
+                raise ValueError("an entry points outside specs")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, StoreError):
                 raise
             raise StoreError(f"sidecar {where} is malformed ({exc!r}): run store verify to quarantine it") from exc
-        if sidecar.pack_id != where.stem or not isinstance(sidecar.entries, dict):
+        if sidecar.pack_id != where.stem:
             raise StoreError(f"sidecar {where} does not describe pack {where.stem}: run store verify to quarantine it")
         return sidecar
 
+    @classmethod
+    def build(
+        cls, family: str, pack_id: str, size: int, layouts: dict[str, dict[str, dict[str, Any]]]
+    ) -> Sidecar:
+        """A sidecar from key -> tensor name -> {"shape", "dtype"}, sharing equal layouts."""
+        specs: list[dict[str, dict[str, Any]]] = []
+        index: dict[str, int] = {}
+        entries: dict[str, int] = {}
+        for key, layout in layouts.items():
+            text = canonical_json(layout)
+            if text not in index:
+                index[text] = len(specs)
+                specs.append(layout)
+            entries[key] = index[text]
+        return cls(family=family, pack_id=pack_id, size=size, specs=specs, entries=entries)
+
     def spec(self, key: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """Tensor name -> (shape, dtype name) of entry `key`."""
-        return {name: (tuple(t["shape"]), t["dtype"]) for name, t in self.entries[key].items()}
+        return {name: (tuple(t["shape"]), t["dtype"]) for name, t in self.specs[self.entries[key]].items()}
 
 
 def read_sidecar(path: Path) -> Sidecar:
@@ -184,7 +215,7 @@ def check_pack(path: Path, sidecar: Sidecar, *, full_hash: bool) -> str | None:
     try:
         header, data_start = read_header(path)
         expected = {
-            tensor_name(key, name): t for key, tensors in sidecar.entries.items() for name, t in tensors.items()
+            tensor_name(key, name): t for key, i in sidecar.entries.items() for name, t in sidecar.specs[i].items()
         }
         if set(header) != set(expected):
             return "pack header lists different tensors than its sidecar"
@@ -265,7 +296,7 @@ class PackWriter:
         directory = self._store.root / self.family
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {tensor_name(k, n): t for k, entry in self._buffer.items() for n, t in entry.items()}
-        entries = {
+        layouts = {
             k: {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in entry.items()}
             for k, entry in self._buffer.items()
         }
@@ -287,8 +318,9 @@ class PackWriter:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        sidecar = Sidecar(family=self.family, pack_id=pack_id, size=size, entries=entries)
-        write_json_atomic(directory / (pack_id + SIDECAR_SUFFIX), sidecar.to_json())
+        sidecar = Sidecar.build(self.family, pack_id, size, layouts)
+        # Compact JSON: sidecars of thousands of keys are parsed on every store open.
+        write_bytes_atomic(directory / (pack_id + SIDECAR_SUFFIX), canonical_json(sidecar.to_json()).encode("utf-8"))
         self._store._register(sidecar)
         self.written += len(self._buffer)
         self.packs.append(pack_id)

@@ -3,7 +3,7 @@
 Layout under the root (an absolute path, by default ~/.cache/diffusion-pipe)::
 
     <root>/<family>/<packhash>.safetensors     immutable pack, named by the xxh3-128 of its bytes
-    <root>/<family>/<packhash>.json            sidecar: key -> tensor name -> shape, dtype; pack hash and size
+    <root>/<family>/<packhash>.json            sidecar: key -> tensor names, shapes, dtypes; pack hash, size
     <root>/<family>/.pack-*.tmp, .*.json.*.tmp temp files of running (or crashed) writers; never read
     <root>/quarantine/<family>/                packs that failed verification, moved out of sight
     <root>/hash-cache/                         weights hash cache (diffusion_pipe.weights)

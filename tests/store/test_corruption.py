@@ -111,7 +111,7 @@ def test_sidecar_disagreeing_with_pack(store: Store) -> None:
     packs = _write(store)
     side = store.sidecar_path("latent", packs[0])
     obj = json.loads(side.read_text())
-    obj["entries"]["k0"]["latents"]["shape"] = [4, 8, 9]
+    obj["specs"][obj["entries"]["k0"]]["latents"]["shape"] = [4, 8, 9]
     side.write_text(json.dumps(obj))
     reader = Store(store.root, verify_reads=False)
     with pytest.raises(StoreError, match="tensor k0/latents is float32\\[4, 8, 8\\] in the pack, float32\\[4, 8, 9\\]"):
