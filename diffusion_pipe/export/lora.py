@@ -1,0 +1,63 @@
+"""The export stage: the trained LoRA in the formats users load, each with its lineage."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from diffusion_pipe.encode.encode import load_adapter
+from diffusion_pipe.export.lineage import build_lineage
+from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
+from diffusion_pipe.hashing import canonical_json
+from diffusion_pipe.models.base import Adapter
+from diffusion_pipe.params import Params
+from diffusion_pipe.weights import component_hash
+
+
+def read_trained_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The PEFT-named tensors and the metadata of the train stage's `lora.safetensors`."""
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def convert_lora(adapter: Adapter, lora: dict[str, torch.Tensor], rank: int, alpha: float,
+                 fmt: str) -> dict[str, torch.Tensor]:
+    """Rename to format `fmt` and fold the alpha/rank scale into lora_B, so every loader applies the trained
+    strength whether or not it reads alpha; ComfyUI-style formats also get explicit `.alpha` = rank."""
+    scale = alpha / rank
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in lora.items():
+        value = tensor * scale if ".lora_B." in key else tensor
+        out[adapter.export_keys(key, fmt)] = value.contiguous()
+        if fmt == "comfyui" and ".lora_A." in key:
+            module = adapter.export_keys(key, fmt).rsplit(".lora_A.", 1)[0]
+            out[f"{module}.alpha"] = torch.tensor(float(rank))
+    return dict(sorted(out.items()))
+
+
+def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, encoded: Path, train_report: Path,
+                out_dir: Path) -> list[Path]:
+    """Write `out_dir/<name>.<format>.safetensors` for every format asked for, plus `<name>.lineage.json`."""
+    adapter = load_adapter(params.model)
+    lora, meta = read_trained_lora(lora_path)
+    rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
+    base_hashes = {p.name: component_hash(p) for p in sorted(adapter.model_dir.iterdir())
+                   if p.is_dir() and (p / "config.json").is_file()}
+    lineage = build_lineage(params, repo, manifest, encoded, lora_path, base_hashes,
+                            json.loads(train_report.read_text()))
+    written = []
+    for fmt in params.export.formats:
+        tensors = convert_lora(adapter, lora, rank, alpha, fmt)
+        path = out_dir / f"{params.export.name}.{fmt}.safetensors"
+        metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
+                    "diffusion_pipe.export_format": fmt, "diffusion_pipe.lineage": canonical_json(lineage)}
+        write_bytes_atomic(path, save(tensors, metadata=metadata))
+        written.append(path)
+    write_json_atomic(out_dir / f"{params.export.name}.lineage.json", lineage)
+    print("export: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return written

@@ -1,0 +1,127 @@
+"""The adapter contract: what a model family tells the stages. Adapters describe; they do not train.
+
+An adapter knows its family's diffusers components: how to load them, how to encode media and text, how to
+split the denoiser into pipeline layers, and how its LoRA keys are named in each export format. Training maths
+lives in `diffusion_pipe.train.objectives`, parallelism in `diffusion_pipe.train.pipeline`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+TensorDict = dict[str, torch.Tensor]
+Spec = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, dtype name)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family can train on and export to."""
+
+    media: tuple[str, ...]  # "image", "video"
+    tasks: tuple[str, ...]  # "t2i", "t2v", "i2v"
+    objective: str  # "flow", "epsilon", "v"
+    export_formats: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch as the objective sees it: clean latents (normalised) and the text conditioning."""
+
+    latents: torch.Tensor
+    text: TensorDict
+
+
+class Adapter(ABC):
+    """One model family. Subclasses set `name` and `capabilities` and implement the methods below."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        self.model_dir = model_dir
+        self.dtype = dtype
+
+    # ---- encode side -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def pixel_multiple(self) -> int:
+        """Bucket sides must be multiples of this many pixels (VAE factor x patch size)."""
+
+    @abstractmethod
+    def vae_dir(self) -> Path:
+        """The diffusers component directory whose weights make the latents."""
+
+    @abstractmethod
+    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
+        """(text encoder dirs, tokenizer dirs) by component name; their hashes key the text entries."""
+
+    @abstractmethod
+    def load_vae(self, device: torch.device) -> nn.Module:
+        """The frozen VAE, in eval mode, on `device`."""
+
+    @abstractmethod
+    def load_text_encoders(self, device: torch.device) -> object:
+        """Whatever `encode_text` needs (encoders and tokenizers), frozen, on `device`."""
+
+    @abstractmethod
+    def encode_media(self, vae: nn.Module, pixels_BCHW: torch.Tensor) -> list[TensorDict]:
+        """Latents for pixels in [-1, 1], one entry per item, exactly as the VAE produces them."""
+
+    @abstractmethod
+    def encode_text(self, encoders: object, captions: list[str], max_length: int) -> list[TensorDict]:
+        """Text conditioning, one entry per caption."""
+
+    @abstractmethod
+    def latent_spec(self, width: int, height: int, frames: int) -> Spec:
+        """Shapes/dtypes a latent entry for this bucket must have (checked before training)."""
+
+    @abstractmethod
+    def text_spec(self, max_length: int) -> Spec:
+        """Shapes/dtypes a text entry must have (checked before training)."""
+
+    # ---- train side --------------------------------------------------------------------------------
+    @abstractmethod
+    def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Map stored VAE output to the denoiser's latent space (shift/scale), at load time."""
+
+    @abstractmethod
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        """The frozen denoiser (transformer or UNet) in `self.dtype`."""
+
+    @property
+    @abstractmethod
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """Module-name suffixes LoRA wraps when `train.lora_targets` is empty."""
+
+    def lora_exclude(self) -> str | None:
+        """A regex of module names that match target suffixes but must stay frozen; None: exclude nothing."""
+        return None
+
+    @abstractmethod
+    def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:
+        """Ordered modules whose composition equals the denoiser's forward; each takes and returns a tuple."""
+
+    @abstractmethod
+    def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
+                     guidance: float) -> tuple[torch.Tensor, ...]:
+        """The tuple the first pipeline layer takes; `timesteps` in [0, 1]."""
+
+    @abstractmethod
+    def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Reshape the last layer's output to the latent layout of `like` (e.g. unpack Flux tokens)."""
+
+    # ---- export side -------------------------------------------------------------------------------
+    @abstractmethod
+    def export_keys(self, peft_key: str, fmt: str) -> str:
+        """The name of a PEFT LoRA tensor (e.g. 'a.b.lora_A.weight') in export format `fmt`."""
+
+    @classmethod
+    @abstractmethod
+    def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
+        """Write a tiny random-init model of this family in diffusers format (tests, examples)."""

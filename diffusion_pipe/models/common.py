@@ -1,0 +1,98 @@
+"""Helpers shared by adapters: loading components, dtype names, tiny tokenizers for tests and examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32, and so on."""
+    return str(dtype).removeprefix("torch.")
+
+
+def ensure_grad(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor sent between pipeline stages must require grad; one computed only from frozen weights
+    (time embedding, rotary tables) is detached and marked, which changes no gradient that exists."""
+    if x.is_floating_point() and not x.requires_grad:
+        return x.detach().requires_grad_()
+    return x
+
+
+def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """`cls.from_pretrained(directory)` frozen, in eval mode, in `dtype` on `device`: a clear error if absent."""
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{directory}: no config.json; model.path must be a diffusers-format model directory "
+            f"(with {directory.name}/ inside) or a hub id"
+        )
+    module = cls.from_pretrained(directory, torch_dtype=dtype)
+    module.requires_grad_(False)
+    return module.eval().to(device)
+
+
+def resolve_model_dir(path: str) -> Path:
+    """A local diffusers directory as is; otherwise a hub id, resolved to its local snapshot (downloaded once
+    when the hub is reachable, read from the cache when offline)."""
+    local = Path(path)
+    if local.is_dir():
+        return local.resolve()
+    if local.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"model.path: {path!r} is neither a directory nor a hub id like 'org/name'")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                            "tokenizer*/*", "*/*.json", "*/*.safetensors"]))
+    except Exception as exc:  # offline and not cached, gated, misspelled: all say the same thing to a user
+        raise FileNotFoundError(
+            f"model.path: could not find {path!r} locally or download it from the hub ({exc}); "
+            "point model.path at a local diffusers directory"
+        ) from exc
+
+
+TOKENIZER_CORPUS = [
+    "a red circle on a white background", "a green square on a black background",
+    "a blue triangle on a gray background", "a yellow circle and a purple square",
+    "a photo of a cat", "an orange ring", "a small large big tiny shape", "the quick brown fox jumps over the lazy dog",
+    "0 1 2 3 4 5 6 7 8 9 , . ! ? - : ; ' \" ( )",
+]
+
+
+def save_tiny_tokenizers(out_dir: Path) -> tuple[object, object]:
+    """Train a CLIP-style BPE and a T5-style Unigram tokenizer on a few sentences, no hub needed, and save them
+    to `out_dir/tokenizer` and `out_dir/tokenizer_2`. Returns (clip_tokenizer, t5_tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>",
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    ))
+    model = bpe.model
+    vocab = bpe.get_vocab()
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save(tmp)
+        merges = [tuple(line.split()) for line in Path(tmp, "merges.txt").read_text().splitlines()
+                  if line and not line.startswith("#")]
+    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    clip.save_pretrained(out_dir / "tokenizer")
+
+    uni = Tokenizer(models.Unigram())
+    uni.pre_tokenizer = pre_tokenizers.Metaspace()
+    uni.train_from_iterator(TOKENIZER_CORPUS, trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+    ))
+    vocab_scores = json.loads(uni.to_str())["model"]["vocab"]
+    t5 = T5TokenizerFast(vocab=[tuple(v) for v in vocab_scores], extra_ids=0, model_max_length=512)
+    t5.save_pretrained(out_dir / "tokenizer_2")
+    return clip, t5

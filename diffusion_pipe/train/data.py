@@ -1,0 +1,153 @@
+"""Training data from the store: bucketed micro-batches in a deterministic order, noised by the objective.
+
+The order is a pure function of (seed, epoch, data-parallel rank): any process can recompute the micro-batch at
+any position, which makes resuming exact and lets the first and the last pipeline stage draw identical batches
+without talking to each other.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+import torch
+
+from diffusion_pipe.encode.media import parse_bucket
+from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.models.base import Adapter, Spec
+from diffusion_pipe.store import Store
+from diffusion_pipe.train.objectives import flow_matching, sample_timesteps
+
+
+class DataError(ValueError):
+    """The encoded data cannot be trained on as configured; the message names the key or param."""
+
+
+@dataclass(frozen=True)
+class Row:
+    sample_id: str
+    bucket: str
+    repeats: int
+    latent_key: str
+    text_key: str
+
+
+def read_rows(encoded_path, split: str) -> list[Row]:
+    """Rows of one split of the encoded table, in table order."""
+    table = pq.read_table(encoded_path)
+    return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"])
+            for r in table.to_pylist() if r["split"] == split]
+
+
+def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_length: int) -> None:
+    """Before step 1: every entry exists and has the shape/dtype the model expects; else a DataError naming
+    the key and both shapes (never a tensor-shape error deep inside the model)."""
+    text_spec = adapter.text_spec(text_max_length)
+    specs: dict[str, Spec] = {}
+    for row in rows:
+        if row.bucket not in specs:
+            specs[row.bucket] = adapter.latent_spec(*parse_bucket(row.bucket))
+        for family, key, expected in (("latent", row.latent_key, specs[row.bucket]),
+                                      ("text", row.text_key, text_spec)):
+            if not store.contains(family, key):
+                raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
+                                f"{store.root}; run the encode stage (dvc repro encode) or pull the store")
+            got = {name: (tuple(shape), dtype) for name, (shape, dtype) in store.spec(family, key).items()}
+            want = {name: (tuple(shape), dtype) for name, (shape, dtype) in expected.items()}
+            if got != want:
+                raise DataError(f"{family} entry {key} of sample {row.sample_id} holds {got}, but model "
+                                f"family '{adapter.name}' expects {want}; the encoded data does not match "
+                                "the model: re-run encode with the same model params as train")
+
+
+def epoch_order(rows: list[Row], micro_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Micro-batches (lists of row indices, one bucket each) of one epoch, each row `repeats` times.
+    Incomplete micro-batches are dropped; the order depends only on (rows, seed, epoch)."""
+    rng = random.Random(hash_json(["order", seed, epoch]))
+    by_bucket: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_bucket.setdefault(row.bucket, []).extend([i] * row.repeats)
+    batches = []
+    for bucket in sorted(by_bucket):
+        idx = by_bucket[bucket]
+        rng.shuffle(idx)
+        batches += [idx[j:j + micro_batch_size] for j in range(0, len(idx) - micro_batch_size + 1,
+                                                                micro_batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+class MicroBatches:
+    """An endless iterator of (inputs, labels) micro-batches for one data-parallel rank.
+
+    `position` counts the micro-batches drawn so far; a new instance with the same position continues the
+    same sequence (the checkpoint stores it).
+    """
+
+    def __init__(self, rows: list[Row], store: Store, adapter: Adapter, *, micro_batch_size: int, seed: int,
+                 dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
+                 position: int = 0) -> None:
+        self.rows, self.store, self.adapter = rows, store, adapter
+        self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
+        self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
+        self.position = position
+        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+        if not self._rank_batches(0):
+            raise DataError(
+                f"the train split has too few samples for train.micro_batch_size={micro_batch_size} on "
+                f"{dp_world} data-parallel rank(s) in any one bucket; lower train.micro_batch_size or add data"
+            )
+
+    def _rank_batches(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            batches = epoch_order(self.rows, self.mbs, self.seed, epoch)
+            per_rank = len(batches) // self.dp_world
+            self._epoch_cache = (epoch, batches[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank])
+        return self._epoch_cache[1]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self._rank_batches(0))
+
+    def indices_at(self, position: int) -> list[int]:
+        """Row indices of the micro-batch at `position` of this rank's sequence."""
+        epoch, offset = divmod(position, self.batches_per_epoch)
+        return self._rank_batches(epoch)[offset]
+
+    def load(self, indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Normalised latents (B, ...) and stacked text conditioning for rows `indices`."""
+        latents = torch.stack([self.store.get("latent", self.rows[i].latent_key)["latents"] for i in indices])
+        texts = [self.store.get("text", self.rows[i].text_key) for i in indices]
+        text = {name: torch.stack([t[name] for t in texts]) for name in texts[0]}
+        return self.adapter.normalise_latents(latents.float()), text
+
+    def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None):
+        """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,)."""
+        latents, text = self.load(indices)
+        noise = torch.randn(latents.shape, generator=generator)
+        if timesteps is None:
+            timesteps = sample_timesteps(len(indices), self.sampling, self.shift, generator)
+        noised = flow_matching(latents, noise, timesteps)
+        inputs = self.adapter.model_inputs(noised.noisy, noised.timesteps, text, self.guidance)
+        return inputs, (noised.target.to(inputs[0].dtype),)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        generator = torch.Generator().manual_seed(
+            int(hash_json(["noise", self.seed, self.dp_rank, self.position])[:15], 16))
+        batch = self.make(self.indices_at(self.position), generator)
+        self.position += 1
+        return batch
+
+
+def eval_batches(rows: list[Row], loader: MicroBatches, timestep: float, seed: int) -> list:
+    """Fixed eval micro-batches (one sample each) at one timestep, with fixed noise: comparable across runs."""
+    out = []
+    for i in range(len(rows)):
+        generator = torch.Generator().manual_seed(int(hash_json(["eval", seed, i])[:15], 16))
+        out.append(loader.make([i], generator, timesteps=torch.tensor([timestep])))
+    return out

@@ -1,0 +1,227 @@
+"""The train stage, top to bottom: set up, resume if this exact run was interrupted, train, evaluate, save.
+
+Checkpoints live under `runs/checkpoints/<run id>/`, where the run id hashes everything that defines the run
+(model, train params, encoded table, parallel layout). Re-running an interrupted stage resumes it exactly; a
+changed param starts a new run beside the old one, which is never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from diffusion_pipe.config import to_dict
+from diffusion_pipe.encode.encode import load_adapter
+from diffusion_pipe.fileio import atomic_writer, write_bytes_atomic, write_json_atomic
+from diffusion_pipe.hashing import hash_file, hash_json
+from diffusion_pipe.params import EncodeParams, ModelParams, TrainParams
+from diffusion_pipe.store import Store
+from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches, read_rows
+from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
+from diffusion_pipe.train.objectives import mse_loss
+from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed
+
+
+def lr_lambda(train: TrainParams):
+    """Multiplier of the base learning rate at optimizer step `step`: linear warmup, then the schedule."""
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        if train.lr_scheduler == "linear":
+            return max(0.0, 1.0 - progress)
+        if train.lr_scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return factor
+
+
+def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
+    """The engine's config. No "optimizer" block: a torch AdamW is passed in (FusedAdam would compile)."""
+    bf16 = dtype == "bfloat16"
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * dp_world,
+        "gradient_clipping": train.max_grad_norm,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": dtype == "float16"},
+        "zero_optimization": {"stage": 1 if bf16 else 0},  # resuming bf16 needs ZeRO 1 (KeyError under 0)
+        "wall_clock_breakdown": False,
+    }
+
+
+def _latest_step(checkpoint_dir: Path) -> int | None:
+    latest = checkpoint_dir / "latest"
+    return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else None
+
+
+def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, encoded_path: Path, out_dir: Path,
+               report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store) -> dict:
+    """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot."""
+    import deepspeed
+
+    dist = init_distributed(train.device)
+    adapter = load_adapter(model)
+    train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
+    check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)
+
+    torch.manual_seed(train.seed)
+    denoiser = adapter.load_denoiser(torch.device("cpu"))
+    targets = target_module_names(denoiser, train.lora_targets or adapter.default_lora_targets,
+                                  adapter.lora_exclude())
+    add_lora(denoiser, targets, train.lora_rank, train.lora_alpha, train.lora_dropout)
+
+    def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
+
+    module = build_pipeline_module(adapter.pipeline_layers(denoiser), train.pipeline_stages, loss_fn,
+                                   train.activation_checkpointing, train.seed)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
+                                  weight_decay=train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
+    dp_world = dist.world // train.pipeline_stages
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(train, model.dtype, dp_world))
+    dp_rank = engine.grid.get_data_parallel_rank()
+    is_reporter = dist.rank == 0
+
+    run_id = hash_json({"model": to_dict(model), "train": to_dict(train), "encoded": hash_file(encoded_path),
+                        "text_max_length": encode.text_max_length, "world": dist.world})[:16]
+    checkpoint_dir = runs_root / "checkpoints" / run_id
+    state = {"step": 0, "position": 0, "losses": [], "evals": []}
+    resumed_from = _latest_step(checkpoint_dir)
+    if resumed_from is not None:
+        _, client = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
+        state = client["state"]
+        torch.set_rng_state(client["torch_rng"])
+
+    loader = MicroBatches(train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed,
+                          dp_rank=dp_rank, dp_world=dp_world, timestep_sampling=train.timestep_sampling,
+                          flow_shift=train.flow_shift, guidance=train.guidance, position=state["position"])
+    eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
+                               dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
+                               guidance=train.guidance) if eval_rows else None
+
+    def evaluate(step: int) -> None:
+        if eval_loader is None or any(e["step"] == step for e in state["evals"]):
+            return
+        per_t = {}
+        for t in train.eval_timesteps:
+            batches = eval_batches(eval_rows, eval_loader, t, train.seed)
+            per_t[f"{t:g}"] = float(engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+        state["evals"].append({"step": step, "loss": sum(per_t.values()) / len(per_t), "by_timestep": per_t})
+        if writer:
+            writer.add_scalar("eval/loss", state["evals"][-1]["loss"], step)
+
+    def save_checkpoint() -> None:
+        client = {"state": state, "torch_rng": torch.get_rng_state()}
+        engine.save_checkpoint(str(checkpoint_dir), tag=f"step{state['step']}", client_state=client,
+                               exclude_frozen_parameters=True)
+
+    writer = None
+    if is_reporter:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(runs_root / "tensorboard" / run_id))
+        print(f"train: run {run_id}, {len(train_rows)} train / {len(eval_rows)} eval samples, "
+              f"{len(targets)} LoRA modules, {sum(p.numel() for p in trainable)} trainable parameters on "
+              f"stage 0, {train.pipeline_stages} stage(s) x {dp_world} data-parallel on {dist.device}"
+              + (f"; resuming at step {resumed_from}" if resumed_from is not None else ""), file=sys.stderr)
+
+    samples_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dp_world
+    evaluate(0)
+    started, first_step = time.perf_counter(), state["step"]
+    bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
+               disable=not is_reporter)
+    try:
+        while state["step"] < train.steps:
+            loss = float(engine.train_batch(loader))
+            state["step"] += 1
+            state["position"] = loader.position
+            state["losses"].append(loss)
+            rate = samples_per_step * (state["step"] - first_step) / (time.perf_counter() - started)
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.1f}")
+            bar.update(1)
+            if writer:
+                writer.add_scalar("train/loss", loss, state["step"])
+                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
+                writer.add_scalar("train/samples_per_s", rate, state["step"])
+                grad_norm = engine.get_global_grad_norm()
+                if grad_norm is not None:
+                    writer.add_scalar("train/grad_norm", float(grad_norm), state["step"])
+                if dist.device.type == "cuda":
+                    writer.add_scalar("train/max_memory_gb", torch.cuda.max_memory_allocated() / 2**30,
+                                      state["step"])
+            if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
+                evaluate(state["step"])
+            if train.checkpoint_every_steps and state["step"] % train.checkpoint_every_steps == 0:
+                save_checkpoint()
+    except KeyboardInterrupt:
+        save_checkpoint()
+        print(f"\ntrain: interrupted; checkpoint saved at step {state['step']} in {checkpoint_dir}; "
+              "run the stage again to resume", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+    evaluate(state["step"])
+    if _latest_step(checkpoint_dir) != state["step"]:
+        save_checkpoint()
+
+    lora = _gather_lora(denoiser, module)
+    report = {
+        "run_id": run_id, "steps": state["step"], "resumed_from": resumed_from,
+        "train_loss_first": state["losses"][0], "train_loss_last": state["losses"][-1],
+        "train_loss_last10": sum(state["losses"][-10:]) / len(state["losses"][-10:]),
+        "eval": state["evals"], "eval_loss_start": state["evals"][0]["loss"] if state["evals"] else None,
+        "eval_loss_end": state["evals"][-1]["loss"] if state["evals"] else None,
+        "samples": len(train_rows), "lora_modules": len(targets), "lora_rank": train.lora_rank,
+    }
+    if report["eval_loss_start"] is not None:
+        report["eval_loss_improved"] = report["eval_loss_end"] < report["eval_loss_start"]
+    if is_reporter:
+        _write_lora(out_dir / "lora.safetensors", lora, model, train, targets, run_id)
+        write_json_atomic(report_path, report)
+        with atomic_writer(loss_plot_path, "w") as fh:
+            fh.write("step,loss\n")
+            fh.writelines(f"{i + 1},{loss:.6f}\n" for i, loss in enumerate(state["losses"]))
+        writer.close()
+        print(f"train: done, loss {report['train_loss_first']:.4f} -> {report['train_loss_last10']:.4f} "
+              f"(last 10); eval {report['eval_loss_start']} -> {report['eval_loss_end']}", file=sys.stderr)
+    return report
+
+
+def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every stage's LoRA weights, gathered on every rank (each stage owns only its own layers' weights)."""
+    import torch.distributed as tdist
+
+    mine = lora_state_dict(denoiser, only={id(p) for p in module.parameters()})
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return mine
+    parts: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(parts, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, train: TrainParams,
+                targets: list[str], run_id: str) -> None:
+    from safetensors.torch import save
+
+    metadata = {
+        "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
+        "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
+        "lora_targets": json.dumps(targets),
+    }
+    tensors = {k: v.float().contiguous() for k, v in sorted(lora.items())}
+    write_bytes_atomic(path, save(tensors, metadata=metadata))

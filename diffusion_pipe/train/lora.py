@@ -1,0 +1,47 @@
+"""LoRA through peft: which modules get adapters, and the trained weights under PEFT's key names."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from diffusion_pipe.config import ConfigError
+
+_PEFT_NAME = re.compile(r"\.(lora_[AB])\.default\.")
+
+
+def target_module_names(model: nn.Module, suffixes: tuple[str, ...], exclude: str | None = None) -> list[str]:
+    """Full names of the Linear modules whose name ends with one of `suffixes` (matched on '.'-boundaries)."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear)
+             and any(name == s or name.endswith(f".{s}") for s in suffixes)
+             and not (exclude and re.search(exclude, name))]
+    if not names:
+        raise ConfigError(f"train.lora_targets: none of {list(suffixes)} names a Linear module of the model; "
+                          "use module-name suffixes such as 'to_q' or 'attn.to_k'")
+    return sorted(names)
+
+
+def add_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> LoraConfig:
+    """Inject LoRA adapters (fp32 weights, whatever the base dtype) into `model` in place; only they train."""
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        init_lora_weights=True)
+    model.requires_grad_(False)
+    inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.requires_grad_(True)
+    return config
+
+
+def lora_state_dict(model: nn.Module, only: set[int] | None = None) -> dict[str, torch.Tensor]:
+    """LoRA tensors under PEFT's saved names ('x.lora_A.weight'), on CPU; `only` restricts to parameters with
+    these ids (the ones a pipeline stage owns)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if "lora_" in name and (only is None or id(param) in only):
+            out[_PEFT_NAME.sub(r".\1.", name)] = param.detach().to("cpu", copy=True).contiguous()
+    return out

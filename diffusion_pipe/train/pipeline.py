@@ -1,0 +1,71 @@
+"""DeepSpeed from the outside: process group set-up and the PipelineModule over an adapter's layers.
+
+Adapters never import DeepSpeed; this module turns `pipeline_layers()` into a `PipelineModule` and an engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: global rank/world, local rank, and the device it computes on."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_name: str) -> Dist:
+    """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU."""
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # a plain `python -m stages.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import deepspeed
+
+    if not use_cuda:
+        # DeepSpeed builds a C++ shared-memory op on CPU at init (about a minute on a fresh machine); gloo does
+        # not need it. The module name clashes with torch, hence importlib.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
+                device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+
+
+def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
+                          activation_checkpointing: bool, seed: int) -> nn.Module:
+    """A PipelineModule over `layers`, split evenly into `num_stages` stages."""
+    from deepspeed.pipe import PipelineModule
+
+    checkpoint_kwargs = {}
+    if activation_checkpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        # DeepSpeed's default (reentrant) checkpoint fails on tuple activations between stages.
+        checkpoint_kwargs = {
+            "activation_checkpoint_interval": 1,
+            "activation_checkpoint_func": lambda fn, *args: checkpoint(fn, *args, use_reentrant=False),
+        }
+    return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn, partition_method="uniform",
+                          base_seed=seed, dynamic_shape=True, **checkpoint_kwargs)

@@ -1,0 +1,3 @@
+from stages.encode import command
+
+command()

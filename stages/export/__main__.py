@@ -1,0 +1,3 @@
+from stages.export import command
+
+command()

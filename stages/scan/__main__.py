@@ -1,0 +1,3 @@
+from stages.scan import command
+
+command()

@@ -1,0 +1,21 @@
+"""Stage `train`: encoded table + store -> runs/train/lora.safetensors, reports/train.json, loss plot."""
+
+from pathlib import Path
+
+import click
+
+from diffusion_pipe.cli_support import stage_command
+
+
+@stage_command("train")
+@click.option("--encoded", type=click.Path(path_type=Path), default="data/encoded.parquet", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default="runs/train", show_default=True)
+@click.option("--report", type=click.Path(path_type=Path), default="reports/train.json", show_default=True)
+@click.option("--loss-plot", type=click.Path(path_type=Path), default="reports/train_loss.csv", show_default=True)
+def command(params, encoded: Path, out: Path, report: Path, loss_plot: Path) -> None:
+    """Train a LoRA with DeepSpeed pipeline parallelism; resumes an interrupted run of the same config."""
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.loop import train_lora
+
+    train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, Path("runs"),
+               Store.default())

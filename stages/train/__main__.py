@@ -1,0 +1,3 @@
+from stages.train import command
+
+command()
