@@ -72,8 +72,27 @@ class ScanParams:
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ValueError("datasets is empty: list at least one dataset directory under scan.datasets")
-        if self.bucket_step <= 0 or not 0 < self.min_aspect <= 1 <= self.max_aspect:
-            raise ValueError("bucket_step must be > 0 and min_aspect <= 1 <= max_aspect")
+        if self.bucket_step <= 0:
+            raise ValueError(f"bucket_step must be > 0, got {self.bucket_step}")
+        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
+            raise ValueError(
+                f"min_aspect and max_aspect must satisfy 0 < min_aspect <= 1 <= max_aspect, "
+                f"got {self.min_aspect} and {self.max_aspect}"
+            )
+        if self.max_image_pixels <= 0:
+            raise ValueError(f"max_image_pixels must be > 0, got {self.max_image_pixels}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: every core), got {self.workers}")
+        from diffusion_pipe.scan.buckets import bucket_layout  # lazy: the scan package imports this module
+
+        for i, ds in enumerate(self.datasets):
+            for res in ds.resolutions:
+                if not bucket_layout(res, self.bucket_step, self.min_aspect, self.max_aspect):
+                    raise ValueError(
+                        f"datasets[{i}].resolutions: {res} has no bucket with sides that are multiples of "
+                        f"bucket_step {self.bucket_step} and aspect in [{self.min_aspect}, {self.max_aspect}]; "
+                        f"use a resolution that is a multiple of bucket_step (>= it), or a smaller bucket_step"
+                    )
 
 
 @dataclass(frozen=True)

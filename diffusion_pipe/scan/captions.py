@@ -1,0 +1,80 @@
+"""Captions: reading the `.txt` beside a media file, normalising it, and applying the dataset's policy.
+
+A caption file has the media file's base name and a `.txt` extension (`cat.png` -> `cat.txt`). It is read as
+UTF-8 (a leading BOM is dropped) and whitespace is normalised: every run of whitespace, newlines included,
+becomes one space, and the ends are stripped. An empty or whitespace-only `.txt` counts as a *missing*
+caption, so the policy decides (it never yields an empty caption). Bytes that are not UTF-8 exclude the item
+with reason 'caption_not_utf8' whatever the policy: guessing an encoding would train on mojibake, and the
+report names the file so it can be fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+CaptionSource = Literal["txt", "default", "none"]
+
+
+@dataclass(frozen=True)
+class CaptionRead:
+    """The outcome of reading one `.txt`: normalised text ('' if empty), or a reason it can't be used."""
+
+    text: str = ""
+    reason: str = ""  # '', 'caption_not_utf8' or 'caption_unreadable'
+    detail: str = ""
+
+
+def normalise_caption(text: str) -> str:
+    """Collapse every run of whitespace (Unicode whitespace included) to one space and strip the ends."""
+    return " ".join(text.split())
+
+
+def decode_caption(data: bytes) -> CaptionRead:
+    """Decode caption bytes: UTF-8 with an optional BOM, normalised; non-UTF-8 gives reason 'caption_not_utf8'."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        return CaptionRead(reason="caption_not_utf8", detail=f"not UTF-8: byte {exc.start}")
+    return CaptionRead(text=normalise_caption(text))
+
+
+def read_caption(path: str) -> CaptionRead:
+    """Read and decode one caption file; an I/O failure gives reason 'caption_unreadable'."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        return CaptionRead(reason="caption_unreadable", detail=f"{type(exc).__name__}: {exc.strerror or exc}")
+    return decode_caption(data)
+
+
+@dataclass(frozen=True)
+class ResolvedCaption:
+    """The caption an item trains with, where it came from, and an exclusion reason ('' if usable)."""
+
+    caption: str
+    source: CaptionSource
+    reason: str = ""
+    missing: bool = False  # no usable .txt (absent or empty), whatever the policy did about it
+
+
+def resolve_caption(
+    read: CaptionRead | None,
+    policy: Literal["error", "default", "skip"],
+    default_caption: str,
+    prefix: str,
+) -> ResolvedCaption:
+    """Apply the dataset's caption policy to what was read (None: no .txt file). Pure.
+
+    The final caption is `prefix + text`, the prefix taken verbatim (include its own separator, e.g. 'sks, ').
+    With policy 'error' a missing caption gets reason 'missing_caption' too; the scan turns those into one
+    ScanError listing them, after counting them all.
+    """
+    if read is not None and read.reason:
+        return ResolvedCaption("", "none", read.reason)
+    if read is not None and read.text:
+        return ResolvedCaption(prefix + read.text, "txt")
+    if policy == "default":
+        return ResolvedCaption(prefix + normalise_caption(default_caption), "default", missing=True)
+    return ResolvedCaption("", "none", "missing_caption", missing=True)

@@ -1,0 +1,182 @@
+"""The manifest: one row per media item, built by pure functions from probe results, written deterministically.
+
+Row rules, in order (the first that applies sets `status='excluded'` and `reason`):
+1. the file itself: 'broken_symlink', 'symlink_loop', 'not_regular_file', 'unreadable', 'empty_file',
+   'too_large' (over scan.max_image_pixels), 'corrupt' (fails to decode fully);
+2. the caption: 'caption_not_utf8', 'caption_unreadable', 'missing_caption' (policy 'skip'; with policy
+   'error' the scan raises ScanError instead of writing anything);
+3. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
+   fits);
+4. 'duplicate': the same bytes as an earlier ok item (by path) *of the same dataset*. The first copy trains,
+   later copies are excluded, so an image is not trained twice per epoch by accident. Copies in different
+   datasets are all kept (datasets may deliberately share images with other captions or resolutions); every
+   duplicate group is counted in the report either way.
+
+`split` is derived from the content hash alone (so it is the same on every machine, and identical copies land
+in the same split): 'eval' when int(content_hash[:8], 16) / 2**32 < eval_fraction.
+
+The parquet file holds only input-derived values (no mtime, inode, absolute path or timestamp), rows sorted by
+(dataset, path), with a fixed schema, so the same inputs give the same bytes on every run and machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from diffusion_pipe.hashing import hash_bytes
+from diffusion_pipe.params import DatasetParams
+from diffusion_pipe.scan.buckets import Bucket, item_buckets
+from diffusion_pipe.scan.captions import CaptionRead, resolve_caption
+from diffusion_pipe.scan.files import Entry
+from diffusion_pipe.scan.media import Probe, media_kind
+
+MANIFEST_VERSION = "1"
+
+SCHEMA = pa.schema(
+    [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("media", pa.string(), nullable=False),
+        pa.field("content_hash", pa.string(), nullable=False),
+        pa.field("size_bytes", pa.int64(), nullable=False),
+        pa.field("width", pa.int32(), nullable=False),
+        pa.field("height", pa.int32(), nullable=False),
+        pa.field("num_frames", pa.int32(), nullable=False),
+        pa.field("fps", pa.float64(), nullable=False),
+        pa.field("caption", pa.string(), nullable=False),
+        pa.field("caption_hash", pa.string(), nullable=False),
+        pa.field("caption_source", pa.string(), nullable=False),
+        pa.field("buckets", pa.list_(pa.string()), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("repeats", pa.int32(), nullable=False),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+    ],
+    metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
+)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A configured dataset, resolved: its manifest name, its root directory and its bucket layouts."""
+
+    name: str
+    root: str
+    params: DatasetParams
+    layouts: tuple[tuple[Bucket, ...], ...]  # one per entry of params.resolutions
+
+
+@dataclass(frozen=True)
+class Row:
+    """One manifest row, plus what the report needs beyond the manifest (`detail`, `caption_missing`)."""
+
+    path: str
+    dataset: str
+    media: str
+    content_hash: str
+    size_bytes: int
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    caption: str
+    caption_hash: str
+    caption_source: str
+    buckets: tuple[str, ...]
+    split: str
+    repeats: int
+    status: str
+    reason: str
+    detail: str = ""
+    caption_missing: bool = False
+
+
+def split_for(content_hash: str, eval_fraction: float) -> str:
+    """'eval' or 'train', from the first 32 bits of the content hash; 'train' when there is no hash."""
+    if not content_hash or eval_fraction <= 0:
+        return "train"
+    return "eval" if int(content_hash[:8], 16) / 2**32 < eval_fraction else "train"
+
+
+def _caption_stem(rel: str) -> str:
+    return os.path.splitext(rel)[0]
+
+
+def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead]) -> dict[str, CaptionRead]:
+    """Map 'dir/name' (no extension) to the read of 'dir/name.txt'; a lower-case '.txt' wins over '.TXT'."""
+    out: dict[str, CaptionRead] = {}
+    for e in entries:
+        if e.kind != "caption":
+            continue
+        read = CaptionRead(reason="caption_unreadable", detail=e.detail) if e.problem else reads[e.rel]
+        stem = _caption_stem(e.rel)
+        if stem not in out or e.rel.endswith(".txt"):
+            out[stem] = read
+    return out
+
+
+def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, Probe | CaptionRead]) -> list[Row]:
+    """The manifest rows of one dataset, sorted by path, from its listing and the probe results by rel path."""
+    p = spec.params
+    caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)})
+    rows: list[Row] = []
+    for e in entries:
+        if e.kind != "media":
+            continue
+        if e.problem:
+            probe = Probe(media=media_kind(e.rel) or "image", reason=e.problem, detail=e.detail)
+        else:
+            result = results[e.rel]
+            assert isinstance(result, Probe), e.rel
+            probe = result
+        cap = resolve_caption(caption_reads.get(_caption_stem(e.rel)), p.caption_policy, p.default_caption,
+                              p.caption_prefix)
+        reason = probe.reason or cap.reason
+        labels: tuple[str, ...] = ()
+        if not reason:
+            labels, reason = item_buckets(probe.width, probe.height, probe.num_frames, probe.media == "video",
+                                          spec.layouts, p.frames, p.never_upscale)
+        rows.append(Row(
+            path=e.rel, dataset=spec.name, media=probe.media, content_hash=probe.content_hash,
+            size_bytes=probe.size_bytes, width=probe.width, height=probe.height, num_frames=probe.num_frames,
+            fps=probe.fps, caption=cap.caption, caption_hash=hash_bytes(cap.caption.encode("utf-8")),
+            caption_source=cap.source, buckets=labels, split=split_for(probe.content_hash, p.eval_fraction),
+            repeats=p.repeats, status="excluded" if reason else "ok", reason=reason,
+            detail=probe.detail if probe.reason else "", caption_missing=cap.missing and not probe.reason,
+        ))
+    return mark_duplicates(sorted(rows, key=lambda r: r.path))
+
+
+def mark_duplicates(rows: Sequence[Row]) -> list[Row]:
+    """Exclude ok rows whose content hash an earlier ok row (in the given order) already has."""
+    seen: dict[str, str] = {}
+    out = []
+    for r in rows:
+        if r.status == "ok":
+            first = seen.setdefault(r.content_hash, r.path)
+            if first != r.path:
+                r = Row(**{**r.__dict__, "status": "excluded", "reason": "duplicate", "buckets": (),
+                           "detail": f"same content as {first}"})
+        out.append(r)
+    return out
+
+
+def manifest_table(rows: Sequence[Row]) -> pa.Table:
+    """The rows as an Arrow table with the manifest schema, sorted by (dataset, path)."""
+    ordered = sorted(rows, key=lambda r: (r.dataset, r.path))
+    cols = {name: [getattr(r, name) for r in ordered] for name in SCHEMA.names}
+    cols["buckets"] = [list(b) for b in cols["buckets"]]
+    return pa.Table.from_pydict(cols, schema=SCHEMA)
+
+
+def manifest_bytes(rows: Sequence[Row]) -> bytes:
+    """The manifest parquet file as bytes: same rows, same bytes (fixed schema and options, no timestamps)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(manifest_table(rows), sink, compression="zstd", compression_level=3, write_statistics=True,
+                   row_group_size=1 << 20)
+    return sink.getvalue().to_pybytes()

@@ -1,0 +1,210 @@
+"""Probing one media file: content hash, and width/height/frames/fps measured by decoding it.
+
+Every failure becomes a `Probe` with a `reason` ('corrupt', 'too_large', 'unreadable', ...) and a `detail`
+for the report; probing never raises for bad input, so one bad file cannot stop a scan of 100k.
+`probe_batch` is the unit of work sent to the process pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import PurePath
+from typing import BinaryIO, Literal
+
+from diffusion_pipe.hashing import hash_bytes, hash_file
+from diffusion_pipe.scan.captions import CaptionRead, read_caption
+
+MediaKind = Literal["image", "video"]
+
+IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".dib", ".tif", ".tiff", ".gif"})
+VIDEO_EXTS = frozenset({".mp4", ".webm", ".mov", ".mkv", ".m4v"})
+# Pillow formats whose animated files are videos (animated GIF, animated WebP, APNG); a multi-page TIFF is not.
+_ANIMATED_FORMATS = frozenset({"GIF", "WEBP", "PNG"})
+# Files up to this size are read once into memory, then hashed and decoded from the same bytes; larger ones are
+# hashed streaming and decoded from disk, so memory per worker stays bounded.
+_IN_MEMORY_BYTES = 64 << 20
+# Browsers show GIF/WebP frames with a delay of <= 10 ms for 100 ms; we measure fps the way they play it.
+_MIN_FRAME_MS = 10
+_DEFAULT_FRAME_MS = 100
+
+
+def media_kind(path: str | PurePath) -> MediaKind | None:
+    """'image' or 'video' from the extension (case-insensitive), None for other files.
+
+    GIF and WebP count as images here; `probe_media` turns animated ones into videos.
+    """
+    ext = os.path.splitext(str(path))[1].lower()
+    if ext in IMAGE_EXTS:
+        return "image"
+    if ext in VIDEO_EXTS:
+        return "video"
+    return None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What probing one media file found; `reason` is '' when it decoded fine."""
+
+    media: MediaKind
+    size_bytes: int = 0
+    content_hash: str = ""
+    width: int = 0
+    height: int = 0
+    num_frames: int = 0
+    fps: float = 0.0
+    reason: str = ""
+    detail: str = ""
+
+
+@contextlib.contextmanager
+def _own_pixel_limit() -> Iterator[None]:
+    """Turn off Pillow's module-level decompression-bomb check for one probe; `_probe_image` checks instead.
+
+    Pillow's check fires inside `Image.open`, before we could learn the size; ours reads the size from the
+    header and stops before decoding, so a bomb is reported with its dimensions and never decoded. The
+    setting is restored afterwards, so other users of Pillow in the process see no change.
+    """
+    from PIL import Image
+
+    old = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = old
+
+
+def _frame_ms(duration: object) -> float:
+    ms = float(duration) if isinstance(duration, (int, float)) else 0.0
+    return _DEFAULT_FRAME_MS if ms <= _MIN_FRAME_MS else ms
+
+
+def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int) -> Probe:
+    from PIL import Image
+
+    try:
+        with _own_pixel_limit(), Image.open(src) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                return _replace(base, width=width, height=height, reason="too_large",
+                                detail=f"{width}x{height} pixels > max_image_pixels {max_pixels}")
+            n_frames = int(getattr(img, "n_frames", 1))
+            if n_frames > 1 and getattr(img, "is_animated", False) and img.format in _ANIMATED_FORMATS:
+                total_ms = 0.0
+                for i in range(n_frames):
+                    img.seek(i)
+                    img.load()  # decode every frame: a truncated animation must fail here, not in encode
+                    total_ms += _frame_ms(img.info.get("duration"))
+                return _replace(base, media="video", width=width, height=height, num_frames=n_frames,
+                                fps=n_frames * 1000.0 / total_ms)
+            img.load()
+            # EXIF orientations 5-8 rotate by 90 degrees: the picture as shown is height x width.
+            if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):
+                width, height = height, width
+            return _replace(base, media="image", width=width, height=height, num_frames=1, fps=0.0)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        return _replace(base, reason="too_large", detail=str(exc))
+    except Exception as exc:  # Pillow raises many types on bad data (OSError, SyntaxError, ValueError, ...)
+        return _replace(base, reason="corrupt", detail=f"{type(exc).__name__}: {exc}")
+
+
+def _probe_video(src: BinaryIO | str, base: Probe) -> Probe:
+    import av
+
+    try:
+        with av.open(src) as container:
+            if not container.streams.video:
+                return _replace(base, reason="corrupt", detail="no video stream")
+            stream = container.streams.video[0]
+            declared = stream.average_rate or stream.guessed_rate
+            n = width = height = 0
+            first_pts: int | None = None
+            last_pts: int | None = None
+            time_base: Fraction | None = None
+            for frame in container.decode(stream):
+                if n == 0:
+                    width, height = frame.width, frame.height
+                if frame.pts is not None:
+                    first_pts = frame.pts if first_pts is None else min(first_pts, frame.pts)
+                    last_pts = frame.pts if last_pts is None else max(last_pts, frame.pts)
+                    time_base = frame.time_base or stream.time_base
+                n += 1
+    except Exception as exc:  # PyAV raises FFmpeg errors of many kinds (InvalidDataError, EOFError, ...)
+        return _replace(base, reason="corrupt", detail=f"{type(exc).__name__}: {exc}")
+    if n == 0:
+        return _replace(base, reason="corrupt", detail="no decodable video frame")
+    fps = 0.0
+    if n > 1 and first_pts is not None and last_pts is not None and time_base and last_pts > first_pts:
+        fps = _measured_fps(n, last_pts - first_pts, Fraction(time_base), declared)
+    return _replace(base, media="video", width=width, height=height, num_frames=n, fps=fps)
+
+
+def _measured_fps(n: int, span_ticks: int, time_base: Fraction, declared: Fraction | None) -> float:
+    """Frames per second from n decoded frames whose presentation times span `span_ticks` of `time_base`.
+
+    n frames span n - 1 intervals. Timestamps are rounded to the time base (Matroska/WebM: 1 ms, so 12 fps
+    measures as 11.994); when the container's declared rate agrees with the measurement within that rounding
+    (one tick at each end), the declared rate is the exact value of what was measured and is reported instead.
+    """
+    span = Fraction(span_ticks) * time_base
+    measured = Fraction(n - 1) / span
+    if declared:
+        tolerance = measured * 2 * time_base / span
+        if abs(Fraction(declared) - measured) <= tolerance:
+            return float(declared)
+    return float(measured)
+
+
+def _replace(base: Probe, **changes: object) -> Probe:
+    fields = {**base.__dict__, **changes}
+    return Probe(**fields)  # type: ignore[arg-type]
+
+
+def probe_media(path: str, max_image_pixels: int) -> Probe:
+    """Hash and decode one media file; never raises for bad content (see `Probe.reason`).
+
+    Reasons: 'empty_file', 'unreadable' (open/read failed), 'too_large' (over `max_image_pixels`, checked from
+    the header before decoding), 'corrupt' (anything that fails to decode fully).
+    """
+    kind = media_kind(path)
+    assert kind is not None, path
+    base = Probe(media=kind)
+    try:
+        size = os.stat(path).st_size
+        if size == 0:
+            return _replace(base, reason="empty_file", content_hash=hash_bytes(b""), detail="0 bytes")
+        if size <= _IN_MEMORY_BYTES:
+            with open(path, "rb") as fh:
+                data = fh.read()
+            size = len(data)
+            base = _replace(base, size_bytes=size, content_hash=hash_bytes(data))
+            src: BinaryIO | str = io.BytesIO(data)
+        else:
+            base = _replace(base, size_bytes=size, content_hash=hash_file(path))
+            src = path
+    except OSError as exc:
+        return _replace(base, reason="unreadable", detail=f"{type(exc).__name__}: {exc.strerror or exc}")
+    if kind == "video":
+        return _probe_video(src, base)
+    return _probe_image(src, base, max_image_pixels)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One file to probe: a media file or a caption (.txt)."""
+
+    kind: Literal["media", "caption"]
+    path: str  # absolute, or relative to the working directory
+
+
+def probe_batch(tasks: list[Task], max_image_pixels: int) -> list[Probe | CaptionRead]:
+    """Probe a batch of files in order; the unit of work of the scan's process pool."""
+    return [
+        probe_media(t.path, max_image_pixels) if t.kind == "media" else read_caption(t.path) for t in tasks
+    ]
+

@@ -1,0 +1,171 @@
+"""The scan: list every dataset, probe what changed (in a process pool), build rows, write manifest and report."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
+from diffusion_pipe.params import ScanParams
+from diffusion_pipe.scan.buckets import bucket_layout
+from diffusion_pipe.scan.cache import CacheEntry, CacheKey, load_cache, save_cache
+from diffusion_pipe.scan.captions import CaptionRead
+from diffusion_pipe.scan.files import Listing, list_dataset
+from diffusion_pipe.scan.manifest import DatasetSpec, Row, build_rows, manifest_bytes
+from diffusion_pipe.scan.media import Probe, Task, probe_batch
+from diffusion_pipe.scan.report import build_report, summary_lines
+
+_MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
+_SHOWN = 5  # paths named in a ScanError
+
+
+class ScanError(ValueError):
+    """The datasets break a scan policy (e.g. missing captions with caption_policy 'error'); says how to fix it."""
+
+
+def dataset_name(path: str, name: str) -> str:
+    """The manifest's name of a dataset: its `name`, else the base name of its directory."""
+    if name:
+        return name
+    base = os.path.basename(os.path.normpath(path))
+    return base if base not in ("", ".", "..") else os.path.basename(os.path.abspath(path))
+
+
+def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
+    """Check every dataset directory exists and names are unique; compute each one's bucket layouts."""
+    specs: list[DatasetSpec] = []
+    seen: dict[str, int] = {}
+    for i, ds in enumerate(params.datasets):
+        where = f"scan.datasets[{i}]"
+        name = dataset_name(ds.path, ds.name)
+        if name in seen:
+            raise ConfigError(
+                f"{where}: dataset name {name!r} is already used by scan.datasets[{seen[name]}]; "
+                f"set a distinct `name` for one of them"
+            )
+        seen[name] = i
+        if not os.path.isdir(ds.path):
+            raise ConfigError(f"{where}.path: {ds.path!r} is not a directory (paths are relative to {os.getcwd()})")
+        layouts = tuple(
+            bucket_layout(res, params.bucket_step, params.min_aspect, params.max_aspect) for res in ds.resolutions
+        )
+        specs.append(DatasetSpec(name=name, root=ds.path, params=ds, layouts=layouts))
+    return specs
+
+
+def _workers(params: ScanParams) -> int:
+    return params.workers or os.cpu_count() or 1
+
+
+def probe_all(tasks: Sequence[Task], workers: int, max_image_pixels: int, progress: bool) -> list[Probe | CaptionRead]:
+    """Probe `tasks` (in order) across `workers` processes, with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    if not tasks:
+        return []
+    size = max(1, min(_MAX_BATCH, math.ceil(len(tasks) / (workers * 8))))
+    batches = [list(tasks[i:i + size]) for i in range(0, len(tasks), size)]
+    results: list[list[Probe | CaptionRead]] = [[] for _ in batches]
+    if workers == 1 or len(batches) == 1:
+        with tqdm(total=len(tasks), desc="scan: probing", unit="file", file=sys.stderr, disable=not progress,
+                  mininterval=0.5) as bar:
+            for i, batch in enumerate(batches):
+                results[i] = probe_batch(batch, max_image_pixels)
+                bar.update(len(batch))
+        return [r for batch in results for r in batch]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Submit everything before the progress bar starts its monitor thread: workers fork from a quiet process.
+        futures = {pool.submit(probe_batch, batch, max_image_pixels): i for i, batch in enumerate(batches)}
+        with tqdm(total=len(tasks), desc="scan: probing", unit="file", file=sys.stderr, disable=not progress,
+                  mininterval=0.5) as bar:
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                bar.update(len(batches[i]))
+    return [r for batch in results for r in batch]
+
+
+def scan_datasets(
+    params: ScanParams, cache_path: Path | None, progress: bool = True
+) -> tuple[list[Row], dict[str, Any]]:
+    """Scan every dataset: the manifest rows (sorted by dataset, path) and the report dict.
+
+    Only files whose (size, mtime_ns, inode) differ from the cache at `cache_path` are hashed and decoded; the
+    cache is rewritten (even when a ScanError follows, so the rescan after a fix is fast).
+    Raises ConfigError for bad dataset params and ScanError for missing captions under policy 'error'.
+    """
+    start = time.perf_counter()
+    specs = resolve_datasets(params)
+    listings: list[Listing] = [list_dataset(spec.root) for spec in specs]
+    cache = load_cache(cache_path, params.max_image_pixels)
+
+    known: dict[CacheKey, CacheEntry] = {}
+    todo: list[tuple[CacheKey, Task]] = []
+    for spec, listing in zip(specs, listings):
+        for e in listing.entries:
+            if e.stat_key is None:
+                continue
+            key = (spec.name, e.rel, e.kind)
+            hit = cache.get(key)
+            if hit is not None and hit[0] == e.stat_key:
+                known[key] = hit
+            else:
+                todo.append((key, Task(e.kind, e.path)))
+    cached = len(known)
+    stat_keys = {(spec.name, e.rel, e.kind): e.stat_key for spec, lst in zip(specs, listings) for e in lst.entries}
+    workers = _workers(params)
+    probed = probe_all([t for _, t in todo], workers, params.max_image_pixels, progress)
+    for (key, _), result in zip(todo, probed):
+        stat_key = stat_keys[key]
+        assert stat_key is not None
+        known[key] = (stat_key, result)
+    if cache_path is not None:
+        save_cache(cache_path, known, params.max_image_pixels)
+
+    rows: list[Row] = []
+    for spec, listing in zip(specs, listings):
+        results = {rel: entry[1] for (name, rel, _), entry in known.items() if name == spec.name}
+        rows.extend(build_rows(spec, listing.entries, results))
+    rows.sort(key=lambda r: (r.dataset, r.path))
+    _check_captions(rows, specs)
+
+    warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
+    run = {"files_probed": len(todo), "files_cached": cached, "workers": workers,
+           "seconds": round(time.perf_counter() - start, 3)}
+    ignored = {spec.name: lst.ignored_files for spec, lst in zip(specs, listings)}
+    return rows, build_report(rows, specs, ignored, warnings, run)
+
+
+def _check_captions(rows: Sequence[Row], specs: Sequence[DatasetSpec]) -> None:
+    """Raise one ScanError for every dataset with caption_policy 'error' that has items without a caption."""
+    problems = []
+    for i, spec in enumerate(specs):
+        if spec.params.caption_policy != "error":
+            continue
+        missing = [r.path for r in rows if r.dataset == spec.name and r.reason == "missing_caption"]
+        if missing:
+            shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
+            problems.append(
+                f"dataset {spec.name!r} ({spec.root}): {len(missing)} item(s) have no caption (no .txt beside them, "
+                f"or an empty one): {shown}. Write a .txt with the same base name for each, or set "
+                f"caption_policy to 'default' (with default_caption) or 'skip' in params.yaml scan.datasets[{i}]"
+            )
+    if problems:
+        raise ScanError("\n".join(problems))
+
+
+def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, cache_path: Path | None) -> dict:
+    """Scan every dataset of params; write the manifest parquet and reports JSON atomically; return the report dict."""
+    rows, report = scan_datasets(params, cache_path)
+    write_bytes_atomic(manifest_path, manifest_bytes(rows))
+    write_json_atomic(report_path, report)
+    for line in summary_lines(report, str(manifest_path)):
+        print(line, file=sys.stderr)
+    return report
