@@ -1,6 +1,7 @@
 """Content-addressed store of encoded tensors (latents, text embeddings) in immutable safetensors packs."""
 
 from diffusion_pipe.store.pack import PackWriter, Sidecar, StoreError
+from diffusion_pipe.store.remote import Remote
 from diffusion_pipe.store.store import GcReport, Problem, Store, default_root
 
-__all__ = ["GcReport", "PackWriter", "Problem", "Sidecar", "Store", "StoreError", "default_root"]
+__all__ = ["GcReport", "PackWriter", "Problem", "Remote", "Sidecar", "Store", "StoreError", "default_root"]

@@ -425,6 +425,37 @@ class Store:
                     problems.append(Problem(fam, pack_id, reason, tuple(sidecar.entries)))
         return problems
 
+    # ---------------------------------------------------------------- remote sync
+
+    def pull(self, remote_url: Any, family: str, keys: Iterable[str], **remote_config: Any) -> int:
+        """Download from a remote the packs holding those of `keys` this store lacks; return how many keys it gained.
+
+        `remote_url` is a path, ``ssh://user@host:port/path``, ``s3://bucket/prefix`` (S3-compatible servers via
+        ``endpointurl=``), or a diffusion_pipe.store.remote.Remote; `remote_config` takes DVC remote options.
+        """
+        from diffusion_pipe.store import remote as sync
+
+        return sync.pull(self, _as_remote(remote_url, remote_config), family, list(keys))
+
+    def push(
+        self,
+        remote_url: Any,
+        family: str,
+        keys: Iterable[str] | None = None,
+        packs: Iterable[str] | None = None,
+        **remote_config: Any,
+    ) -> int:
+        """Upload to a remote the packs holding `keys` (or `packs`, or all) that it lacks; return packs uploaded."""
+        from diffusion_pipe.store import remote as sync
+
+        return sync.push(
+            self,
+            _as_remote(remote_url, remote_config),
+            family,
+            keys=None if keys is None else list(keys),
+            packs=None if packs is None else list(packs),
+        )
+
     # ---------------------------------------------------------------- accounting and gc
 
     def status(self) -> dict[str, dict[str, int]]:
@@ -501,3 +532,13 @@ class Store:
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
         return report
+
+
+def _as_remote(remote: Any, config: dict[str, Any]) -> Any:
+    from diffusion_pipe.store.remote import Remote
+
+    if isinstance(remote, Remote):
+        if config:
+            raise StoreError("pass remote options to Remote(...) when giving a Remote object, not to pull/push")
+        return remote
+    return Remote(str(remote), **config)

@@ -1,0 +1,238 @@
+"""Sharing the store across machines through a remote: a local or network path, SSH/SFTP, or S3(-compatible).
+
+The remote holds the same layout as a local store (``<remote>/<family>/<packhash>.safetensors`` and ``.json``),
+reached through DVC's filesystem layer (dvc-objects; dvc-ssh and dvc-s3 for those schemes), so every protocol
+detail and credential option is DVC's. Transfers move whole packs, pack first and sidecar last, each made
+visible atomically (temp name + rename, or a single object PUT on object stores), so a remote, like a local
+store, never shows a sidecar whose pack is incomplete. Downloaded packs are hashed before they are published
+locally: a corrupt remote pack is reported and skipped, never used.
+
+Remote sidecars are immutable like local ones, so each is downloaded once and cached under
+``<store root>/remote-index/<hash of the remote url>/<family>/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
+from diffusion_pipe.hashing import hash_bytes
+from diffusion_pipe.store.pack import (
+    PACK_ID_RE,
+    PACK_SUFFIX,
+    SIDECAR_SUFFIX,
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    Sidecar,
+    StoreError,
+    check_family,
+    check_pack,
+    read_sidecar,
+)
+
+if TYPE_CHECKING:
+    from dvc_objects.fs.base import FileSystem
+
+    from diffusion_pipe.store.store import Store
+
+log = logging.getLogger(__name__)
+
+# Object stores make a single PUT visible atomically; everywhere else we upload to a temp name and rename.
+_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "gs", "gcs", "azure", "oss"})
+
+
+class Remote:
+    """A store remote at `url`; `config` holds DVC remote options (e.g. endpointurl, access_key_id, keyfile, port)."""
+
+    def __init__(self, url: str, **config: Any) -> None:
+        from dvc.fs import get_cloud_fs  # imported on use: DVC's import is heavy
+
+        self.url = url
+        try:
+            cls, fs_config, self.path = get_cloud_fs({}, url=url, **config)
+        except Exception as exc:  # DVC raises its own config and missing-plugin errors
+            raise StoreError(
+                f"cannot use store remote {url!r} ({exc}): check the URL and options; ssh:// needs dvc-ssh and "
+                "s3:// needs dvc-s3 installed"
+            ) from exc
+        self.fs: FileSystem = cls(**fs_config)
+
+    @classmethod
+    def from_dvc(cls, repo_root: str | Path, name: str | None = None, subdir: str = "diffusion-pipe-store") -> Remote:
+        """The store remote inside a DVC remote of the repo (`name`, else the default remote), under `subdir`.
+
+        Packs live beside DVC's own objects (``files/md5/``), in a folder DVC never touches.
+        """
+        from dvc.config import Config
+
+        config = Config(dvc_dir=str(Path(repo_root).resolve() / ".dvc"))
+        name = name or config.get("core", {}).get("remote")
+        if not name or name not in config.get("remote", {}):
+            raise StoreError(
+                f"no DVC remote {name or '(default)'} in {repo_root}/.dvc/config: add one with "
+                "`dvc remote add -d NAME URL`, or pass the store remote's URL"
+            )
+        options = dict(config["remote"][name])
+        url = options.pop("url").rstrip("/") + "/" + subdir
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r})"
+
+    def _join(self, *parts: str) -> str:
+        return self.fs.join(self.path, *parts)
+
+    def pack_ids(self, family: str) -> list[str]:
+        """Ids of the packs of `family` on the remote that have a sidecar (the visible ones), sorted."""
+        try:
+            names = self.fs.ls(self._join(family), detail=False)
+        except FileNotFoundError:
+            return []
+        ids = []
+        for name in names:
+            base = name.rstrip("/").rsplit("/", 1)[-1]
+            stem = base[: -len(SIDECAR_SUFFIX)]
+            if base.endswith(SIDECAR_SUFFIX) and PACK_ID_RE.match(stem):
+                ids.append(stem)
+        return sorted(ids)
+
+    def _publish(self, local: Path, family: str, name: str) -> None:
+        """Upload `local` as <remote>/<family>/<name>, visible only once complete."""
+        final = self._join(family, name)
+        if self.fs.protocol in _OBJECT_STORE_PROTOCOLS or (
+            isinstance(self.fs.protocol, tuple) and set(self.fs.protocol) & _OBJECT_STORE_PROTOCOLS
+        ):
+            self.fs.put_file(os.fspath(local), final)
+            return
+        self.fs.makedirs(self._join(family), exist_ok=True)
+        tmp = self._join(family, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}{TEMP_SUFFIX}")
+        try:
+            self.fs.put_file(os.fspath(local), tmp)
+            self.fs.mv(tmp, final)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(tmp)
+            raise
+
+
+def _index_dir(store: Store, remote: Remote, family: str) -> Path:
+    return store.root / "remote-index" / hash_bytes(remote.url.encode("utf-8")) / family
+
+
+def remote_sidecars(store: Store, remote: Remote, family: str) -> dict[str, Sidecar]:
+    """Pack id -> sidecar of every visible pack of `family` on the remote, downloading only unseen sidecars."""
+    cache = _index_dir(store, remote, family)
+    out: dict[str, Sidecar] = {}
+    for pack_id in remote.pack_ids(family):
+        path = cache / (pack_id + SIDECAR_SUFFIX)
+        if not path.exists():
+            data = remote.fs.cat_file(remote._join(family, pack_id + SIDECAR_SUFFIX))
+            write_bytes_atomic(path, data)
+        try:
+            out[pack_id] = read_sidecar(path)
+        except StoreError as exc:
+            path.unlink(missing_ok=True)
+            log.warning("skipping remote %s pack %s of %s: %s", family, pack_id, remote.url, exc)
+    return out
+
+
+def pull(store: Store, remote: Remote, family: str, keys: list[str]) -> int:
+    """Download the packs that hold the requested keys the store lacks; return how many of those keys it gained.
+
+    Chooses few packs greedily (most wanted keys first). Each pack is downloaded to a temp file beside the store's
+    packs, hashed against its id, renamed into place, and only then its sidecar is written.
+    """
+    check_family(family)
+    wanted = set(store.missing(family, keys))
+    if not wanted:
+        return 0
+    sidecars = remote_sidecars(store, remote, family)
+    holders = sorted(
+        ((len(wanted & sc.entries.keys()), pack_id) for pack_id, sc in sidecars.items()), key=lambda t: (-t[0], t[1])
+    )
+    gained = 0
+    directory = store.root / family
+    directory.mkdir(parents=True, exist_ok=True)
+    for _, pack_id in holders:
+        sidecar = sidecars[pack_id]
+        new = wanted & sidecar.entries.keys()
+        if not new:
+            continue
+        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=directory)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            remote.fs.get_file(remote._join(family, pack_id + PACK_SUFFIX), tmp_name)
+            reason = check_pack(tmp, sidecar, full_hash=True)
+            if reason is not None:
+                log.warning(
+                    "remote %s pack %s of %s is corrupt (%s): not pulled, its entries will be recomputed",
+                    family,
+                    pack_id,
+                    remote.url,
+                    reason,
+                )
+                continue
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, directory / (pack_id + PACK_SUFFIX))
+            fsync_dir(directory)
+        except FileNotFoundError:
+            log.warning("remote %s pack %s of %s vanished (remote gc?): skipped", family, pack_id, remote.url)
+            continue
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        cached = _index_dir(store, remote, family) / (pack_id + SIDECAR_SUFFIX)
+        write_bytes_atomic(directory / (pack_id + SIDECAR_SUFFIX), cached.read_bytes())
+        store._register(sidecar)
+        gained += len(new)
+        wanted -= new
+        if not wanted:
+            break
+    return gained
+
+
+def push(store: Store, remote: Remote, family: str, keys: list[str] | None = None, packs: list[str] | None = None) -> int:
+    """Upload local packs the remote lacks; return how many were uploaded.
+
+    Uploads `packs`, or the packs holding `keys`, or (neither given) every pack of `family`. Each pack is verified
+    against its sidecar first, so corruption never spreads; the sidecar is uploaded after its pack.
+    """
+    check_family(family)
+    local = store.packs(family)
+    if packs is not None:
+        unknown = [p for p in packs if p not in local]
+        if unknown:
+            raise StoreError(f"{family} pack {unknown[0]} is not in the store at {store.root / family}: nothing pushed")
+        chosen = list(dict.fromkeys(packs))
+    elif keys is not None:
+        absent = store.missing(family, keys)
+        if absent:
+            raise StoreError(
+                f"{family} entry {absent[0]} is not in the store at {store.root / family}: run encode before pushing"
+            )
+        holder = {k: pid for pid in sorted(local) for k in local[pid].entries}
+        chosen = sorted({holder[k] for k in keys})
+    else:
+        chosen = sorted(local)
+    on_remote = set(remote.pack_ids(family))
+    uploaded = 0
+    for pack_id in chosen:
+        if pack_id in on_remote:  # same id, same bytes
+            continue
+        sidecar = local[pack_id]
+        pack_path = store.pack_path(family, pack_id)
+        reason = check_pack(pack_path, sidecar, full_hash=True)
+        if reason is not None:
+            problem = store._reject(sidecar, reason)
+            raise StoreError(f"{problem}: not pushed; re-run the encode stage to recompute its entries")
+        remote._publish(pack_path, family, pack_id + PACK_SUFFIX)
+        remote._publish(store.sidecar_path(family, pack_id), family, pack_id + SIDECAR_SUFFIX)
+        uploaded += 1
+    return uploaded
