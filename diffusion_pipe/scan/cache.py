@@ -49,46 +49,42 @@ def load_cache(path: Path | None, max_image_pixels: int) -> dict[CacheKey, Cache
     if path is None or not path.is_file():
         return {}
     try:
-        table = pq.read_table(path)
+        # ParquetFile.read, not pq.read_table: the latter imports pyarrow.dataset (0.3 s) on every rescan.
+        table = pq.ParquetFile(path).read()
     except Exception:  # a damaged private cache is rebuilt, never fatal
         return {}
     if (table.schema.metadata or {}).get(_META_KEY) != _meta(max_image_pixels) or table.schema.remove_metadata() != _SCHEMA:
         return {}
-    cols = table.to_pydict()
+    c = {name: table.column(name).to_pylist() for name in _SCHEMA.names}
     out: dict[CacheKey, CacheEntry] = {}
-    for i in range(table.num_rows):
-        key = (cols["dataset"][i], cols["path"][i], cols["kind"][i])
-        stat_key = (cols["size"][i], cols["mtime_ns"][i], cols["inode"][i])
+    for (dataset, rel, kind, size, mtime_ns, inode, media, content_hash, size_bytes, width, height, num_frames, fps,
+         reason, detail, text) in zip(*(c[name] for name in _SCHEMA.names)):
         result: Probe | CaptionRead
-        if key[2] == "caption":
-            result = CaptionRead(text=cols["text"][i], reason=cols["reason"][i], detail=cols["detail"][i])
+        if kind == "caption":
+            result = CaptionRead(text, reason, detail)
         else:
-            result = Probe(
-                media=cols["media"][i], size_bytes=cols["size_bytes"][i], content_hash=cols["content_hash"][i],
-                width=cols["width"][i], height=cols["height"][i], num_frames=cols["num_frames"][i],
-                fps=cols["fps"][i], reason=cols["reason"][i], detail=cols["detail"][i],
-            )
-        out[key] = (stat_key, result)
+            result = Probe(media, size_bytes, content_hash, width, height, num_frames, fps, reason, detail)
+        out[(dataset, rel, kind)] = ((size, mtime_ns, inode), result)
     return out
 
 
 def save_cache(path: Path, entries: dict[CacheKey, CacheEntry], max_image_pixels: int) -> None:
     """Atomically replace the cache with `entries` (only the files present now, so it never grows stale)."""
-    cols: dict[str, list] = {name: [] for name in _SCHEMA.names}
-    for key in sorted(entries):
-        (size, mtime_ns, inode), result = entries[key]
-        if not cacheable(result):
-            continue
-        probe = result if isinstance(result, Probe) else Probe(media="image")
-        text = result.text if isinstance(result, CaptionRead) else ""
-        row = {
-            "dataset": key[0], "path": key[1], "kind": key[2], "size": size, "mtime_ns": mtime_ns, "inode": inode,
-            "media": probe.media, "content_hash": probe.content_hash, "size_bytes": probe.size_bytes,
-            "width": probe.width, "height": probe.height, "num_frames": probe.num_frames, "fps": probe.fps,
-            "reason": result.reason, "detail": result.detail, "text": text,
-        }
-        for name, value in row.items():
-            cols[name].append(value)
+    keys = sorted(k for k, (_, result) in entries.items() if cacheable(result))
+    stats = [entries[k][0] for k in keys]
+    results = [entries[k][1] for k in keys]
+    blank = Probe(media="image")  # probe columns of caption rows
+    probes = [r if isinstance(r, Probe) else blank for r in results]
+    # Column by column with comprehensions: this runs over every file on each rescan that changed anything.
+    cols = {
+        "dataset": [k[0] for k in keys], "path": [k[1] for k in keys], "kind": [k[2] for k in keys],
+        "size": [st[0] for st in stats], "mtime_ns": [st[1] for st in stats], "inode": [st[2] for st in stats],
+        "media": [p.media for p in probes], "content_hash": [p.content_hash for p in probes],
+        "size_bytes": [p.size_bytes for p in probes], "width": [p.width for p in probes],
+        "height": [p.height for p in probes], "num_frames": [p.num_frames for p in probes],
+        "fps": [p.fps for p in probes], "reason": [r.reason for r in results], "detail": [r.detail for r in results],
+        "text": [r.text if isinstance(r, CaptionRead) else "" for r in results],
+    }
     schema = _SCHEMA.with_metadata({_META_KEY: _meta(max_image_pixels)})
     sink = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pydict(cols, schema=schema), sink)

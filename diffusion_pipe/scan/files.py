@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Literal
 
-from diffusion_pipe.scan.media import media_kind
+from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS
 
 StatKey = tuple[int, int, int]  # (size, mtime_ns, inode): a file whose key is unchanged is not re-probed
 
@@ -41,9 +41,14 @@ class Listing:
 
 
 def _entry_kind(name: str) -> Literal["media", "caption"] | None:
-    if media_kind(name) is not None:
+    # rpartition, not splitext: this runs once per file of a 100k-file rescan.
+    _, dot, suffix = name.rpartition(".")
+    if not dot:
+        return None
+    ext = "." + suffix.lower()
+    if ext in IMAGE_EXTS or ext in VIDEO_EXTS:
         return "media"
-    if os.path.splitext(name)[1].lower() == ".txt":
+    if ext == ".txt":
         return "caption"
     return None
 

@@ -125,6 +125,7 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
     p = spec.params
     caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)})
     rows: list[Row] = []
+    bucket_memo: dict[tuple[int, int, int, bool], tuple[tuple[str, ...], str]] = {}
     for e in entries:
         if e.kind != "media":
             continue
@@ -139,8 +140,10 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
         reason = probe.reason or cap.reason
         labels: tuple[str, ...] = ()
         if not reason:
-            labels, reason = item_buckets(probe.width, probe.height, probe.num_frames, probe.media == "video",
-                                          spec.layouts, p.frames, p.never_upscale)
+            shape = (probe.width, probe.height, probe.num_frames, probe.media == "video")
+            if shape not in bucket_memo:  # datasets repeat a few shapes many times
+                bucket_memo[shape] = item_buckets(*shape, spec.layouts, p.frames, p.never_upscale)
+            labels, reason = bucket_memo[shape]
         rows.append(Row(
             path=e.rel, dataset=spec.name, media=probe.media, content_hash=probe.content_hash,
             size_bytes=probe.size_bytes, width=probe.width, height=probe.height, num_frames=probe.num_frames,

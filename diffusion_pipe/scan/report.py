@@ -1,4 +1,12 @@
-"""`reports/scan.json`: counts of everything in the manifest, built by a pure function, plus a short summary."""
+"""`reports/scan.json`: counts of everything in the manifest, built by a pure function, plus a short summary.
+
+Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
+whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
+buckets (ok items per bucket), samples_per_epoch (train items x buckets x repeats). Top level also:
+excluded_examples (first paths per reason, with the error), duplicates (groups of identical files across all
+datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
+(files probed vs reused from the cache, workers, seconds): the only part that differs between identical scans.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from diffusion_pipe.params import ScanParams
 from diffusion_pipe.scan.buckets import bucket_layout
 from diffusion_pipe.scan.cache import CacheEntry, CacheKey, load_cache, save_cache
 from diffusion_pipe.scan.captions import CaptionRead
+from diffusion_pipe.scan.errors import ScanError
 from diffusion_pipe.scan.files import Listing, list_dataset
 from diffusion_pipe.scan.manifest import DatasetSpec, Row, build_rows, manifest_bytes
 from diffusion_pipe.scan.media import Probe, Task, probe_batch
@@ -24,10 +25,6 @@ from diffusion_pipe.scan.report import build_report, summary_lines
 
 _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
 _SHOWN = 5  # paths named in a ScanError
-
-
-class ScanError(ValueError):
-    """The datasets break a scan policy (e.g. missing captions with caption_policy 'error'); says how to fix it."""
 
 
 def dataset_name(path: str, name: str) -> str:
@@ -126,13 +123,16 @@ def scan_datasets(
         stat_key = stat_keys[key]
         assert stat_key is not None
         known[key] = (stat_key, result)
-    if cache_path is not None:
+    if cache_path is not None and (todo or known.keys() != cache.keys()):
+        # Rewritten only when something changed: an unchanged rescan of 100k files writes nothing.
         save_cache(cache_path, known, params.max_image_pixels)
 
+    by_dataset: dict[str, dict[str, Probe | CaptionRead]] = {spec.name: {} for spec in specs}
+    for (name, rel, _), (_, result) in known.items():
+        by_dataset[name][rel] = result
     rows: list[Row] = []
     for spec, listing in zip(specs, listings):
-        results = {rel: entry[1] for (name, rel, _), entry in known.items() if name == spec.name}
-        rows.extend(build_rows(spec, listing.entries, results))
+        rows.extend(build_rows(spec, listing.entries, by_dataset[spec.name]))
     rows.sort(key=lambda r: (r.dataset, r.path))
     _check_captions(rows, specs)
 

@@ -111,3 +111,15 @@ def test_pillow_limit_is_restored(tmp_path: Path) -> None:
     before = Image.MAX_IMAGE_PIXELS
     probe_media(str(make_image(tmp_path / "a.png")), max_image_pixels=5)
     assert Image.MAX_IMAGE_PIXELS == before
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, 3 << 20])
+def test_large_file_hash_matches_hash_file(tmp_path: Path, size: int) -> None:
+    import os
+
+    from diffusion_pipe.hashing import hash_file
+    from diffusion_pipe.scan.media import hash_large_file
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(size))
+    assert hash_large_file(str(path)) == hash_file(path)
