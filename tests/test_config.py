@@ -1,0 +1,80 @@
+"""params.yaml loading: strict keys with suggestions, typed values, YAML 1.2 numbers."""
+
+from pathlib import Path
+
+import pytest
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.params import load_params
+
+BASE = "model: {path: some/model}\nscan:\n  datasets: [{path: data}]\n"
+
+
+def write(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE + extra)
+    return path
+
+
+def test_repo_params_load():
+    params = load_params(Path(__file__).parents[1] / "params.yaml")
+    assert params.model.family == "flux"
+    assert params.train.learning_rate == pytest.approx(2e-3)
+    assert params.scan.datasets[0].name == "shapes"
+
+
+def test_scientific_notation_is_a_number(tmp_path):
+    params = load_params(write(tmp_path, "train: {learning_rate: 1e-4}\n"))
+    assert params.train.learning_rate == 1e-4
+
+
+def test_unknown_key_names_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.lerning_rate: unknown key; did you mean 'learning_rate'"):
+        load_params(write(tmp_path, "train: {lerning_rate: 1.0e-4}\n"))
+
+
+def test_unknown_nested_key(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("model: {path: m}\nscan:\n  datasets: [{path: d, repeat: 2}]\n")
+    with pytest.raises(ConfigError, match=r"scan\.datasets\[0\]\.repeat: unknown key; did you mean 'repeats'"):
+        load_params(path)
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section 'trian'; did you mean 'train'"):
+        load_params(write(tmp_path, "trian: {steps: 3}\n"))
+
+
+def test_wrong_type_names_key_value_and_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.steps: got 'ten', expected int"):
+        load_params(write(tmp_path, "train: {steps: ten}\n"))
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing: got 'yes please', expected bool"):
+        load_params(write(tmp_path, "train: {activation_checkpointing: yes please}\n"))
+    with pytest.raises(ConfigError, match=r"train\.steps: got 2\.5, expected int"):
+        load_params(write(tmp_path, "train: {steps: 2.5}\n"))
+
+
+def test_literal_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.lr_scheduler: got 'cosin', expected one of"):
+        load_params(write(tmp_path, "train: {lr_scheduler: cosin}\n"))
+
+
+def test_missing_section_and_required_key(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("scan:\n  datasets: [{path: d}]\n")
+    with pytest.raises(ConfigError, match=r"section 'model' is missing"):
+        load_params(path)
+    path.write_text("model: {path: m}\nscan:\n  datasets: [{repeats: 2}]\n")
+    with pytest.raises(ConfigError, match=r"scan\.datasets\[0\]\.path: required key is missing"):
+        load_params(path)
+
+
+def test_value_validation_names_param(tmp_path):
+    with pytest.raises(ConfigError, match=r"pipeline_stages must be >= 1"):
+        load_params(write(tmp_path, "train: {pipeline_stages: 0}\n"))
+
+
+def test_params_are_frozen(tmp_path):
+    params = load_params(write(tmp_path, ""))
+    with pytest.raises(AttributeError):
+        params.train.steps = 5  # type: ignore[misc]
