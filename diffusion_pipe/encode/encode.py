@@ -112,9 +112,10 @@ class _PixelSet(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        """(3, frames, height, width) in [-1, 1]."""
         path, bucket = self.items[i]
         width, height, _ = parse_bucket(bucket)
-        return load_image_pixels(path, width, height)
+        return load_image_pixels(path, width, height).unsqueeze(1)
 
 
 def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path], store: Store,

@@ -70,8 +70,8 @@ class Adapter(ABC):
         """Whatever `encode_text` needs (encoders and tokenizers), frozen, on `device`."""
 
     @abstractmethod
-    def encode_media(self, vae: nn.Module, pixels_BCHW: torch.Tensor) -> list[TensorDict]:
-        """Latents for pixels in [-1, 1], one entry per item, exactly as the VAE produces them."""
+    def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
+        """Latents for pixels in [-1, 1] (frames F=1 for images), one entry per item, as the VAE produces them."""
 
     @abstractmethod
     def encode_text(self, encoders: object, captions: list[str], max_length: int) -> list[TensorDict]:

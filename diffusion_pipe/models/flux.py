@@ -147,9 +147,11 @@ class FluxAdapter(Adapter):
         )
 
     @torch.no_grad()
-    def encode_media(self, vae: nn.Module, pixels_BCHW: torch.Tensor) -> list[TensorDict]:
+    def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
+        if pixels_BCFHW.shape[2] != 1:
+            raise ValueError(f"family 'flux' trains on images only; got {pixels_BCFHW.shape[2]} frames")
         # The distribution's mode, unscaled: normalisation happens at load time, so a scaling change is free.
-        latents = vae.encode(pixels_BCHW.to(vae.device, vae.dtype)).latent_dist.mode()
+        latents = vae.encode(pixels_BCFHW[:, :, 0].to(vae.device, vae.dtype)).latent_dist.mode()
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()

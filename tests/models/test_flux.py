@@ -56,10 +56,10 @@ def test_pipeline_layers_equal_unsplit_forward(tiny):
 def test_encoders_match_specs_and_are_deterministic(tiny):
     vae = tiny.load_vae(torch.device("cpu"))
     pixels = torch.rand(2, 3, 32, 48) * 2 - 1
-    entries = tiny.encode_media(vae, pixels)
+    entries = tiny.encode_media(vae, pixels.unsqueeze(2))
     spec = tiny.latent_spec(48, 32, 1)
     assert tuple(entries[0]["latents"].shape) == spec["latents"][0]
-    assert torch.equal(entries[0]["latents"], tiny.encode_media(vae, pixels)[0]["latents"])
+    assert torch.equal(entries[0]["latents"], tiny.encode_media(vae, pixels.unsqueeze(2))[0]["latents"])
     encoders = tiny.load_text_encoders(torch.device("cpu"))
     texts = tiny.encode_text(encoders, ["a red circle", "a blue square on a white background"], 16)
     for name, (shape, dtype) in tiny.text_spec(16).items():
