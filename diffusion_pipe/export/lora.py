@@ -14,7 +14,6 @@ from diffusion_pipe.encode.encode import load_adapter
 from diffusion_pipe.export.lineage import build_lineage
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import canonical_json
-from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.params import Params
 from diffusion_pipe.weights import component_hash
 
@@ -25,19 +24,11 @@ def read_trained_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
-def convert_lora(adapter: Adapter, lora: dict[str, torch.Tensor], rank: int, alpha: float,
-                 fmt: str) -> dict[str, torch.Tensor]:
-    """Rename to format `fmt` and fold the alpha/rank scale into lora_B, so every loader applies the trained
-    strength whether or not it reads alpha; ComfyUI-style formats also get explicit `.alpha` = rank."""
+def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """Fold the LoRA scale alpha/rank into lora_B, so every loader applies the trained strength at scale 1
+    whether or not it reads alpha."""
     scale = alpha / rank
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in lora.items():
-        value = tensor * scale if ".lora_B." in key else tensor
-        out[adapter.export_keys(key, fmt)] = value.contiguous()
-        if fmt == "comfyui" and ".lora_A." in key:
-            module = adapter.export_keys(key, fmt).rsplit(".lora_A.", 1)[0]
-            out[f"{module}.alpha"] = torch.tensor(float(rank))
-    return dict(sorted(out.items()))
+    return {k: (v * scale if ".lora_B." in k else v).contiguous() for k, v in lora.items()}
 
 
 def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, encoded: Path, train_report: Path,
@@ -52,7 +43,7 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
                             json.loads(train_report.read_text()))
     written = []
     for fmt in params.export.formats:
-        tensors = convert_lora(adapter, lora, rank, alpha, fmt)
+        tensors = dict(sorted(adapter.export_lora(fold_scale(lora, rank, alpha), fmt).items()))
         path = out_dir / f"{params.export.name}.{fmt}.safetensors"
         metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
                     "diffusion_pipe.export_format": fmt, "diffusion_pipe.lineage": canonical_json(lineage)}

@@ -118,8 +118,13 @@ class Adapter(ABC):
 
     # ---- export side -------------------------------------------------------------------------------
     @abstractmethod
-    def export_keys(self, peft_key: str, fmt: str) -> str:
-        """The name of a PEFT LoRA tensor (e.g. 'a.b.lora_A.weight') in export format `fmt`."""
+    def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
+        """The LoRA in export format `fmt` (one of `capabilities.export_formats`).
+
+        `lora` holds PEFT-named tensors ('blocks.0.attn.to_q.lora_A.weight', ...) with the alpha/rank scale
+        already folded into lora_B, so the result must apply at scale 1: formats that carry alpha get
+        `.alpha` = rank of that module. Unknown `fmt`: ValueError naming `export.formats`.
+        """
 
     @classmethod
     @abstractmethod

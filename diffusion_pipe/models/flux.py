@@ -223,12 +223,13 @@ class FluxAdapter(Adapter):
         return unpack_latents(prediction, like.shape[-2], like.shape[-1])
 
     # ---- export side -------------------------------------------------------------------------------
-    def export_keys(self, peft_key: str, fmt: str) -> str:
+    def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":
-            return f"transformer.{peft_key}"
+            return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            return comfyui_key(peft_key)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux'")
+            return comfyui_lora(lora)
+        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux' "
+                         f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
@@ -278,7 +279,13 @@ MODEL_INDEX = """{
 """
 
 
-def comfyui_key(peft_key: str) -> str:
-    """ComfyUI loads Flux LoRAs under diffusers module names with the `transformer.` prefix as well as its own;
-    the `diffusion_model.` names of its native Flux model need the fused-qkv mapping (a later change)."""
-    return f"transformer.{peft_key}"
+def comfyui_lora(lora: TensorDict) -> TensorDict:
+    """ComfyUI loads Flux LoRAs under diffusers module names with the `transformer.` prefix (q/k/v land in
+    slices of its fused qkv); alpha is written explicitly because ComfyUI scales by alpha/rank only when an
+    `.alpha` tensor exists."""
+    out: TensorDict = {}
+    for key, value in lora.items():
+        out[f"transformer.{key}"] = value
+        if ".lora_A." in key:
+            out[f"transformer.{key.rsplit('.lora_A.', 1)[0]}.alpha"] = torch.tensor(float(value.shape[0]))
+    return out

@@ -75,8 +75,11 @@ def test_lora_targets_exist_and_exclude_final_projection(tiny):
     assert any(n.endswith("attn.to_q") for n in names)
 
 
-def test_export_key_names(tiny):
-    assert tiny.export_keys("transformer_blocks.0.attn.to_q.lora_A.weight", "diffusers") == \
-        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"
-    with pytest.raises(ValueError, match="export.formats"):
-        tiny.export_keys("x.lora_A.weight", "kohya")
+def test_export_formats(tiny):
+    lora = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 32),
+            "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)}
+    assert set(tiny.export_lora(lora, "diffusers")) == {f"transformer.{k}" for k in lora}
+    comfy = tiny.export_lora(lora, "comfyui")
+    assert comfy["transformer.transformer_blocks.0.attn.to_q.alpha"].item() == 4.0
+    with pytest.raises(ValueError, match="export.formats: 'kohya' is not supported"):
+        tiny.export_lora(lora, "kohya")
