@@ -91,8 +91,18 @@ class Adapter(ABC):
         """Map stored VAE output to the denoiser's latent space (shift/scale), at load time."""
 
     @abstractmethod
+    def denoiser_class(self) -> type[nn.Module]:
+        """The diffusers class of the denoiser (built from its config on the meta device for training)."""
+
+    @abstractmethod
+    def denoiser_dir(self) -> Path:
+        """The diffusers component directory of the denoiser's config and safetensors weights."""
+
     def load_denoiser(self, device: torch.device) -> nn.Module:
-        """The frozen denoiser (transformer or UNet) in `self.dtype`."""
+        """The whole frozen denoiser in `self.dtype` on `device` (tests, merging; training loads per stage)."""
+        from diffusion_pipe.models.common import load_component
+
+        return load_component(self.denoiser_class(), self.denoiser_dir(), self.dtype, device)
 
     @property
     @abstractmethod

@@ -187,10 +187,13 @@ class FluxAdapter(Adapter):
         config = self._config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
-    def load_denoiser(self, device: torch.device) -> nn.Module:
+    def denoiser_class(self) -> type[nn.Module]:
         from diffusers import FluxTransformer2DModel
 
-        return load_component(FluxTransformer2DModel, self.model_dir / "transformer", self.dtype, device)
+        return FluxTransformer2DModel
+
+    def denoiser_dir(self) -> Path:
+        return self.model_dir / "transformer"
 
     @property
     def default_lora_targets(self) -> tuple[str, ...]:

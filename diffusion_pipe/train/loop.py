@@ -16,16 +16,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffusion_pipe.config import to_dict
+from diffusion_pipe.config import ConfigError, to_dict
 from diffusion_pipe.encode.encode import load_adapter
 from diffusion_pipe.fileio import atomic_writer, write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, TrainParams
 from diffusion_pipe.store import Store
+from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches, read_rows
-from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
+from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
-from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed
+from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
 
 
 def lr_lambda(train: TrainParams):
@@ -74,21 +76,25 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)
 
     torch.manual_seed(train.seed)
-    denoiser = adapter.load_denoiser(torch.device("cpu"))
-    targets = target_module_names(denoiser, train.lora_targets or adapter.default_lora_targets,
-                                  adapter.lora_exclude())
-    add_lora(denoiser, targets, train.lora_rank, train.lora_alpha, train.lora_dropout)
+    if dist.world % train.pipeline_stages:
+        raise ConfigError(f"train.pipeline_stages: {train.pipeline_stages} does not divide the {dist.world} "
+                          "processes launched; launch a multiple of pipeline_stages processes")
+    dp_world = dist.world // train.pipeline_stages
+    stage = pipeline_stage(dist.rank, train.pipeline_stages, dp_world)
+    local = build_local_model(adapter, train.pipeline_stages, stage,
+                              targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
+                              alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed)
+    denoiser, targets = local.denoiser, local.lora_targets
 
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
 
-    module = build_pipeline_module(adapter.pipeline_layers(denoiser), train.pipeline_stages, loss_fn,
+    module = build_pipeline_module(local.layers, train.pipeline_stages, loss_fn,
                                    train.activation_checkpointing, train.seed)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
                                   weight_decay=train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
-    dp_world = dist.world // train.pipeline_stages
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, model.dtype, dp_world))
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -216,12 +222,10 @@ def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str
 
 def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, train: TrainParams,
                 targets: list[str], run_id: str) -> None:
-    from safetensors.torch import save
-
     metadata = {
         "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
         "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
         "lora_targets": json.dumps(targets),
     }
     tensors = {k: v.float().contiguous() for k, v in sorted(lora.items())}
-    write_bytes_atomic(path, save(tensors, metadata=metadata))
+    write_bytes_atomic(path, save_deterministic(tensors, metadata))

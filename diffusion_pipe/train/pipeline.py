@@ -53,6 +53,13 @@ def init_distributed(device_name: str) -> Dist:
                 device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
 
 
+def pipeline_stage(rank: int, num_stages: int, dp_world: int) -> int:
+    """The pipeline stage of global `rank`, from the same topology DeepSpeed's PipelineModule builds."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    return PipeDataParallelTopology(num_pp=num_stages, num_dp=dp_world).get_coord(rank).pipe
+
+
 def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
                           activation_checkpointing: bool, seed: int) -> nn.Module:
     """A PipelineModule over `layers`, split evenly into `num_stages` stages."""

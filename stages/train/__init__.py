@@ -12,10 +12,11 @@ from diffusion_pipe.cli_support import stage_command
 @click.option("--out", type=click.Path(path_type=Path), default="runs/train", show_default=True)
 @click.option("--report", type=click.Path(path_type=Path), default="reports/train.json", show_default=True)
 @click.option("--loss-plot", type=click.Path(path_type=Path), default="reports/train_loss.csv", show_default=True)
-def command(params, encoded: Path, out: Path, report: Path, loss_plot: Path) -> None:
+@click.option("--runs", type=click.Path(path_type=Path), default="runs", show_default=True,
+              help="Where checkpoints/<run id>/ and tensorboard/<run id>/ go.")
+def command(params, encoded: Path, out: Path, report: Path, loss_plot: Path, runs: Path) -> None:
     """Train a LoRA with DeepSpeed pipeline parallelism; resumes an interrupted run of the same config."""
     from diffusion_pipe.store import Store
     from diffusion_pipe.train.loop import train_lora
 
-    train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, Path("runs"),
-               Store.default())
+    train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, runs, Store.default())

@@ -1,0 +1,105 @@
+"""Building the trainable denoiser on each rank: only this pipeline stage's layers hold real weights.
+
+The denoiser is instantiated on the meta device (no memory), split into pipeline layers, and only the layers
+of this rank's stage are loaded from the safetensors files; every other layer stays on meta and is never
+touched, so a model larger than one process's memory can be split across stages. LoRA A matrices are
+initialised from a generator seeded by (seed, module name), so every parallel layout starts from the same
+weights and a 1-stage and an N-stage run agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.models.base import Adapter
+from diffusion_pipe.train.lora import add_lora, target_module_names
+
+
+@dataclass
+class LocalModel:
+    """The denoiser (remote layers on meta), its pipeline layers, and which of them this rank owns."""
+
+    denoiser: nn.Module
+    layers: list[nn.Module]
+    start: int
+    stop: int
+    lora_targets: list[str]
+
+
+def stage_bounds(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """The [start, stop) layer range of `stage`, exactly as DeepSpeed's 'uniform' partitioning computes it."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    parts = partition_uniform(num_items=num_layers, num_parts=num_stages)
+    return parts[stage], parts[stage + 1]
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = sorted(directory.glob("*.safetensors.index.json"))
+    if index:
+        return sorted({directory / f for f in json.loads(index[0].read_text())["weight_map"].values()})
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no .safetensors weights; the denoiser must be in safetensors format")
+    return files
+
+
+def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: torch.dtype) -> None:
+    """Materialise the parameters and buffers `names` of `module` from the safetensors files in `directory`."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    missing = set(names)
+    for path in _weight_files(directory):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key in missing:
+                    tensor = f.get_tensor(key)
+                    set_module_tensor_to_device(module, key, "cpu", value=tensor.to(dtype)
+                                                if tensor.is_floating_point() else tensor)
+                    missing.discard(key)
+    if missing:
+        raise FileNotFoundError(f"{directory}: weights missing for {sorted(missing)[:5]} "
+                                f"({len(missing)} tensors); is model.path a complete diffusers model?")
+
+
+def init_lora_deterministic(model: nn.Module, seed: int) -> None:
+    """Re-initialise every materialised lora_A like peft does (Kaiming uniform, a=sqrt(5)) but from a
+    generator per module name, so the weights do not depend on which layers a rank holds."""
+    import math
+
+    for name, param in model.named_parameters():
+        if "lora_A" in name and param.device.type != "meta":
+            generator = torch.Generator().manual_seed(int(hash_json(["lora_A", seed, name])[:15], 16))
+            with torch.no_grad():
+                fresh = torch.empty(param.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+                param.copy_(fresh)
+
+
+def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
+                      alpha: float, dropout: float, seed: int) -> LocalModel:
+    """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype)."""
+    from accelerate import init_empty_weights
+
+    cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
+    with init_empty_weights(include_buffers=False):
+        denoiser = cls.from_config(cls.load_config(directory))
+    denoiser.requires_grad_(False)
+    layers = adapter.pipeline_layers(denoiser)
+    start, stop = stage_bounds(len(layers), num_stages, stage)
+    names = {id(t): n for n, t in [*denoiser.named_parameters(), *denoiser.named_buffers()]}
+    local = {names[id(t)] for layer in layers[start:stop]
+             for t in [*layer.parameters(), *layer.buffers()] if t.device.type == "meta"}
+    load_weights(denoiser, local, directory, adapter.dtype)
+    lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
+    add_lora(denoiser, lora_targets, rank, alpha, dropout)
+    init_lora_deterministic(denoiser, seed)
+    denoiser.eval()
+    return LocalModel(denoiser, layers, start, stop, lora_targets)

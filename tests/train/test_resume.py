@@ -1,0 +1,75 @@
+"""A run killed (SIGKILL) or interrupted (Ctrl-C) and resumed continues exactly: the same losses as a run that
+was never stopped (CPU, fp32)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_pipeline_repo, run_env
+
+STEPS = 30
+PARAMS = {"steps: 120": f"steps: {STEPS}", "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3"}
+
+
+@pytest.fixture(scope="module")
+def encoded_repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    store = root / "store"
+    repo = make_pipeline_repo(root / "repo", store, PARAMS)
+    for stage in ("scan", "encode"):
+        subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store), check=True,
+                       capture_output=True)
+    return repo, store
+
+
+@pytest.fixture(scope="module")
+def whole(encoded_repo, tmp_path_factory):
+    """The run that is never stopped."""
+    repo, store = encoded_repo
+    runs = tmp_path_factory.mktemp("whole")
+    subprocess.run(train_cmd(runs), cwd=repo, env=run_env(store), check=True, capture_output=True)
+    return runs
+
+
+def train_cmd(runs: Path) -> list[str]:
+    return [sys.executable, "-m", "stages.train", "--runs", str(runs), "--out", str(runs / "out"),
+            "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv")]
+
+
+def losses(runs: Path) -> list[float]:
+    with open(runs / "loss.csv") as fh:
+        return [float(r["loss"]) for r in csv.DictReader(fh)]
+
+
+def stop_after_first_checkpoint(cmd: list[str], repo: Path, store: Path, sig: int) -> None:
+    proc = subprocess.Popen(cmd, cwd=repo, env=run_env(store), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    runs = Path(cmd[cmd.index("--runs") + 1])
+    deadline = time.monotonic() + 120
+    while not list(runs.glob("checkpoints/*/latest")):
+        assert proc.poll() is None, "training ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+def test_resumed_run_matches_uninterrupted(encoded_repo, whole, tmp_path, sig):
+    repo, store = encoded_repo
+    broken = tmp_path / "broken"
+    stop_after_first_checkpoint(train_cmd(broken), repo, store, sig)
+    assert not (broken / "out" / "lora.safetensors").exists()
+    subprocess.run(train_cmd(broken), cwd=repo, env=run_env(store), check=True, capture_output=True)
+    report = json.loads((broken / "report.json").read_text())
+    assert report["resumed_from"] is not None and 0 < report["resumed_from"] < STEPS
+    assert losses(broken) == losses(whole)
+    assert (broken / "out" / "lora.safetensors").read_bytes() == (whole / "out" / "lora.safetensors").read_bytes()
