@@ -130,6 +130,7 @@ class TrainParams:
     guidance: float = 1.0  # value fed to guidance-distilled models (Flux-dev) during training
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every_steps: int = 0  # 0: only at the end
     eval_every_steps: int = 0  # 0: only at the start and the end

@@ -10,12 +10,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import (
-    dtype_name,
-    ensure_grad,
-    load_component,
-    save_tiny_tokenizers,
-)
+from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
 
 
 @dataclass
@@ -50,7 +45,7 @@ class FluxEmbed(nn.Module):
         encoder = self.context_embedder(t5)
         # ids are the same for every item of a micro-batch (one bucket): take the first row.
         cos, sin = self.pos_embed(torch.cat((txt_ids[0], img_ids[0]), dim=0))
-        return tuple(ensure_grad(x) for x in (hidden, encoder, temb, cos.to(hidden.dtype), sin.to(hidden.dtype)))
+        return hidden, encoder, temb, cos.to(hidden.dtype), sin.to(hidden.dtype)
 
 
 class FluxBlock(nn.Module):

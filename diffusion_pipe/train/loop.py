@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,8 +90,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
 
-    module = build_pipeline_module(local.layers, train.pipeline_stages, loss_fn,
-                                   train.activation_checkpointing, train.seed)
+    module = build_pipeline_module(local.layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
+                                   train.seed, (local.start, local.stop), compile_layers=train.compile)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
                                   weight_decay=train.weight_decay)
@@ -148,9 +149,12 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     started, first_step = time.perf_counter(), state["step"]
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
+    step_seconds: list[float] = []
     try:
         while state["step"] < train.steps:
+            step_started = time.perf_counter()
             loss = float(engine.train_batch(loader))
+            step_seconds.append(time.perf_counter() - step_started)
             state["step"] += 1
             state["position"] = loader.position
             state["losses"].append(loss)
@@ -190,6 +194,9 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         "eval": state["evals"], "eval_loss_start": state["evals"][0]["loss"] if state["evals"] else None,
         "eval_loss_end": state["evals"][-1]["loss"] if state["evals"] else None,
         "samples": len(train_rows), "lora_modules": len(targets), "lora_rank": train.lora_rank,
+        # median of this process's steps after the first two (warm-up, compilation)
+        "step_seconds": statistics.median(step_seconds[2:] or step_seconds) if step_seconds else None,
+        "max_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dist.device.type == "cuda" else None,
     }
     if report["eval_loss_start"] is not None:
         report["eval_loss_improved"] = report["eval_loss_end"] < report["eval_loss_start"]

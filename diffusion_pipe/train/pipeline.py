@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffusion_pipe.models.common import ensure_grad
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -49,6 +51,9 @@ def init_distributed(device_name: str) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
+        # cuDNN's attention backend hit an illegal memory access in a Flux backward on the H200 (NOTES.md);
+        # flash/efficient SDPA kernels remain.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
                 device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
 
@@ -60,10 +65,34 @@ def pipeline_stage(rank: int, num_stages: int, dp_world: int) -> int:
     return PipeDataParallelTopology(num_pp=num_stages, num_dp=dp_world).get_coord(rank).pipe
 
 
+class StageBoundary(nn.Module):
+    """Wraps the last layer of a stage that sends to another: every float tensor it sends must require grad
+    (DeepSpeed returns their gradients), including ones computed only from frozen weights such as the time
+    embedding or rotary tables. Inside a stage nothing is marked, so autograd tracks no needless gradients."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, inputs):
+        out = self.layer(inputs)
+        return tuple(ensure_grad(x) for x in out) if isinstance(out, tuple) else ensure_grad(out)
+
+
 def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
-                          activation_checkpointing: bool, seed: int) -> nn.Module:
-    """A PipelineModule over `layers`, split evenly into `num_stages` stages."""
+                          activation_checkpointing: bool, seed: int, local: tuple[int, int],
+                          compile_layers: bool = False) -> nn.Module:
+    """A PipelineModule over `layers`, split evenly into `num_stages` stages; `local` is this rank's
+    [start, stop) layer range (see `build.stage_bounds`)."""
     from deepspeed.pipe import PipelineModule
+
+    layers = list(layers)
+    start, stop = local
+    if compile_layers:
+        for i in range(start, stop):
+            layers[i].compile()
+    if stop < len(layers):
+        layers[stop - 1] = StageBoundary(layers[stop - 1])
 
     checkpoint_kwargs = {}
     if activation_checkpointing:
