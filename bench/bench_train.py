@@ -99,10 +99,12 @@ train:
 """)
 
 
-def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str) -> dict:
+def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, profile: Path | None) -> dict:
     """Our train stage as users run it (a fresh process); returns its report plus the process's wall time."""
     runs = work / f"runs-{tag}"
     env = dict(os.environ, DIFFUSION_PIPE_STORE=str(store), PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
+    if profile:
+        env["DIFFUSION_PIPE_PROFILE"] = str(profile)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "stages.train", "--params", str(params), "--encoded", str(encoded),
                            "--out", str(runs / "out"), "--report", str(runs / "report.json"),
@@ -116,7 +118,7 @@ def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str) -> 
 
 
 def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_layers: bool,
-               count_flops: bool) -> dict:
+               count_flops: bool, profile: Path | None = None) -> dict:
     """The baseline: diffusers' transformer + peft LoRA (same targets and rank), AdamW, bf16, no framework."""
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
@@ -171,9 +173,21 @@ def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_la
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         started = time.perf_counter()
-        step()
+        if profile and i == 3:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            cuda = dev.type == "cuda"
+            with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
+            sort = "cuda_time_total" if cuda else "cpu_time_total"
+            profile.write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
+                                            for key in (sort, "self_cpu_time_total")))
+        else:
+            step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
@@ -210,6 +224,8 @@ def main() -> None:
                         help="comma list of: eager, compile, checkpointing (ours and plain each)")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write torch.profiler tables of both runners into this directory")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-train-"))
@@ -226,13 +242,14 @@ def main() -> None:
         compile_layers, checkpointing = variant == "compile", variant == "checkpointing"
         params = work / f"params-{variant}.yaml"
         write_params(params, model_dir, shape, args.steps, args.device, compile_layers, checkpointing)
+        prof = (lambda name: args.profile / f"{variant}-{name}.txt") if args.profile else (lambda name: None)
         plain = plain_loop(model_dir, shape, args.steps, args.device, compile_layers,
-                           count_flops=results.get("flops_per_step") is None)
+                           count_flops=results.get("flops_per_step") is None, profile=prof("plain"))
         results.setdefault("flops_per_step", plain.pop("flops_per_step"))
         plain.pop("flops_per_step", None)
-        ours = run_ours(work, params, encoded, store, variant)
+        ours = run_ours(work, params, encoded, store, variant, prof("ours"))
         results[variant] = {"plain": plain, "ours": {k: ours[k] for k in ("step_seconds", "max_memory_gb",
-                                                                            "process_seconds")}}
+                                                                            "process_seconds", "lora_dtype")}}
         print(json.dumps({variant: results[variant]}), flush=True)
     eager = results.get("eager", {}).get("plain", {}).get("step_seconds")
     print(f"\n{args.shape} on {results['gpu'] or 'cpu'}; model FLOPs/step {results['flops_per_step']:.3e}"

@@ -8,7 +8,9 @@ changed param starts a new run beside the old one, which is never deleted.
 from __future__ import annotations
 
 import json
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -150,10 +152,12 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
     step_seconds: list[float] = []
+    profiler = _Profiler(os.environ.get("DIFFUSION_PIPE_PROFILE"), first_step=state["step"])
     try:
         while state["step"] < train.steps:
             step_started = time.perf_counter()
-            loss = float(engine.train_batch(loader))
+            with profiler.step(state["step"]):
+                loss = float(engine.train_batch(loader))
             step_seconds.append(time.perf_counter() - step_started)
             state["step"] += 1
             state["position"] = loader.position
@@ -197,6 +201,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         # median of this process's steps after the first two (warm-up, compilation)
         "step_seconds": statistics.median(step_seconds[2:] or step_seconds) if step_seconds else None,
         "max_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dist.device.type == "cuda" else None,
+        "lora_dtype": str(next(p.dtype for p in module.parameters() if p.requires_grad)).removeprefix("torch."),
     }
     if report["eval_loss_start"] is not None:
         report["eval_loss_improved"] = report["eval_loss_end"] < report["eval_loss_start"]
@@ -210,6 +215,32 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         print(f"train: done, loss {report['train_loss_first']:.4f} -> {report['train_loss_last10']:.4f} "
               f"(last 10); eval {report['eval_loss_start']} -> {report['eval_loss_end']}", file=sys.stderr)
     return report
+
+
+class _Profiler:
+    """With DIFFUSION_PIPE_PROFILE=<file>, torch.profiler records steps 4-6 of the run (after warm-up) and
+    writes the operator table there: a profile, not a guess, when a step is slower than it should be."""
+
+    def __init__(self, path: str | None, first_step: int) -> None:
+        self.path, self.start, self.prof = path, first_step + 3, None
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        if not self.path or not self.start <= step < self.start + 3:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.prof is None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=activities).__enter__()
+        yield
+        if step == self.start + 2:
+            self.prof.__exit__(None, None, None)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            text = "\n\n".join(self.prof.key_averages().table(sort_by=key, row_limit=45)
+                                for key in (sort, "self_cpu_time_total"))
+            Path(self.path).write_text(text)
 
 
 def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:
