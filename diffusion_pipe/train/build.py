@@ -61,8 +61,9 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
             for key in f.keys():
                 if key in missing:
                     tensor = f.get_tensor(key)
-                    set_module_tensor_to_device(module, key, "cpu", value=tensor.to(dtype)
-                                                if tensor.is_floating_point() else tensor)
+                    # without dtype=, accelerate casts to the meta tensor's dtype (fp32 from the config)
+                    set_module_tensor_to_device(module, key, "cpu", value=tensor,
+                                                dtype=dtype if tensor.is_floating_point() else None)
                     missing.discard(key)
     if missing:
         raise FileNotFoundError(f"{directory}: weights missing for {sorted(missing)[:5]} "

@@ -7,6 +7,8 @@ without talking to each other.
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +20,8 @@ from diffusion_pipe.encode.media import parse_bucket
 from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.models.base import Adapter, Spec
 from diffusion_pipe.store import Store
-from diffusion_pipe.train.objectives import flow_matching, sample_timesteps
+from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
+                                             quantile_to_discrete, sample_discrete_timesteps, sample_timesteps)
 
 
 class DataError(ValueError):
@@ -79,6 +82,37 @@ def epoch_order(rows: list[Row], micro_batch_size: int, seed: int, epoch: int) -
     return batches
 
 
+def noise_latents(adapter: Adapter, latents: torch.Tensor, noise: torch.Tensor, quantiles: torch.Tensor | None,
+                  sampling: str, shift: float, generator: torch.Generator) -> Noised:
+    """Noise `latents` by the adapter's objective: at timesteps drawn by `sampling` (train), or at `quantiles`
+    of the schedule (eval), both within the adapter's `timestep_range` (all of it but for Wan 2.2's experts).
+    The one place the objective is chosen; `shift` applies to flow matching only."""
+    objective = adapter.objective()
+    lo, hi = adapter.timestep_range()
+    if objective == "flow":
+        t = sample_timesteps(len(latents), sampling, shift, generator) if quantiles is None else quantiles.float()
+        return flow_matching(latents, noise, lo + (hi - lo) * t)
+    if objective in DDPM_OBJECTIVES:
+        alphas_cumprod = _alphas_cumprod(adapter)
+        if quantiles is None:
+            timesteps = sample_discrete_timesteps(len(latents), sampling, len(alphas_cumprod), generator, lo, hi)
+        else:
+            timesteps = quantile_to_discrete(lo + (hi - lo) * quantiles, len(alphas_cumprod))
+        return DDPM_OBJECTIVES[objective](latents, noise, timesteps, alphas_cumprod)
+    raise ValueError(f"model family '{adapter.name}': unknown objective {objective!r} "
+                     f"(known: flow, {', '.join(DDPM_OBJECTIVES)})")
+
+
+def _alphas_cumprod(adapter: Adapter) -> torch.Tensor:
+    """The adapter's DDPM schedule; the scheduler config is a small file, the cumprod is computed once."""
+    return _alphas_cumprod_of(json.dumps(adapter.noise_schedule(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _alphas_cumprod_of(schedule_json: str) -> torch.Tensor:
+    return ddpm_alphas_cumprod(json.loads(schedule_json))
+
+
 class MicroBatches:
     """An endless iterator of (inputs, labels) micro-batches for one data-parallel rank.
 
@@ -124,12 +158,12 @@ class MicroBatches:
         return self.adapter.normalise_latents(latents.float()), text
 
     def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None):
-        """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,)."""
+        """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,).
+        `timesteps`, when given (eval), are fractions of the noise schedule in [0, 1], mapped to the adapter's
+        objective; otherwise they are sampled."""
         latents, text = self.load(indices)
         noise = torch.randn(latents.shape, generator=generator)
-        if timesteps is None:
-            timesteps = sample_timesteps(len(indices), self.sampling, self.shift, generator)
-        noised = flow_matching(latents, noise, timesteps)
+        noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
         inputs = self.adapter.model_inputs(noised.noisy, noised.timesteps, text, self.guidance)
         return inputs, (noised.target.to(inputs[0].dtype),)
 

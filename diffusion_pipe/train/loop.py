@@ -48,17 +48,18 @@ def lr_lambda(train: TrainParams):
 
 
 def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
-    """The engine's config. No "optimizer" block: a torch AdamW is passed in (FusedAdam would compile)."""
-    bf16 = dtype == "bfloat16"
+    """The engine's config. The frozen base runs in `model.dtype`, the LoRA weights are fp32 and the engine
+    runs in fp32 mode: the trainable weights are already full precision, so DeepSpeed's bf16 optimizer (fp32
+    master copies kept in step by per-parameter Python loops) has nothing to add. fp16 keeps DeepSpeed's loss
+    scaling. No "optimizer" block: a torch AdamW is passed in (DeepSpeed's FusedAdam would compile)."""
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * dp_world,
         "gradient_clipping": train.max_grad_norm,
         "steps_per_print": 10**9,
-        "bf16": {"enabled": bf16},
         "fp16": {"enabled": dtype == "float16"},
-        "zero_optimization": {"stage": 1 if bf16 else 0},  # resuming bf16 needs ZeRO 1 (KeyError under 0)
+        "zero_optimization": {"stage": 0},
         "wall_clock_breakdown": False,
     }
 
@@ -96,7 +97,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                    train.seed, (local.start, local.stop), compile_layers=train.compile)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
-                                  weight_decay=train.weight_decay)
+                                  weight_decay=train.weight_decay, fused=dist.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, model.dtype, dp_world))

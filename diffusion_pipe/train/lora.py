@@ -26,13 +26,16 @@ def target_module_names(model: nn.Module, suffixes: tuple[str, ...], exclude: st
 
 
 def add_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> LoraConfig:
-    """Inject LoRA adapters (fp32 weights, whatever the base dtype) into `model` in place; only they train."""
+    """Inject LoRA adapters into `model` in place; only they train, in fp32 whatever the base dtype (peft casts
+    a layer's input to the adapter's dtype and the sum back to the base's)."""
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         init_lora_weights=True)
     model.requires_grad_(False)
     inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         if "lora_" in name:
+            if param.device.type != "meta":
+                param.data = param.data.float()
             param.requires_grad_(True)
     return config
 

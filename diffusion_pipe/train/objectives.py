@@ -3,6 +3,11 @@
 Flow matching (Flux, Wan, SD3): x_t = (1 - t) x_0 + t * noise, target = noise - x_0, t in [0, 1].
 Timesteps are drawn uniformly or logit-normally and then shifted, t' = s t / (1 + (s - 1) t), as Flux and SD3
 do at higher resolutions.
+
+DDPM (SD, SDXL): x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise with a_t the cumulative product of (1 - beta) from the
+model's own scheduler config, at a discrete timestep 0 .. N-1. Epsilon prediction targets the noise; v prediction
+targets v = sqrt(a_t) noise - sqrt(1 - a_t) x_0. Timesteps are drawn by the same method (uniform or logit-normal)
+on [0, 1) and mapped onto the N discrete steps; `flow_shift` does not apply.
 """
 
 from __future__ import annotations
@@ -49,6 +54,57 @@ def flow_matching(latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.T
     """Rectified-flow noising: linear path from data (t=0) to noise (t=1); the velocity is the target."""
     t = timesteps.view(-1, *([1] * (latents.dim() - 1))).to(latents.dtype)
     return Noised(noisy=(1 - t) * latents + t * noise, timesteps=timesteps, target=noise - latents)
+
+
+def ddpm_alphas_cumprod(schedule: dict) -> torch.Tensor:
+    """Cumulative alphas (N,) in float64 from a diffusers scheduler config, as DDPMScheduler computes them."""
+    n = int(schedule.get("num_train_timesteps", 1000))
+    start, end = float(schedule.get("beta_start", 0.0001)), float(schedule.get("beta_end", 0.02))
+    kind = schedule.get("beta_schedule", "linear")
+    if kind == "linear":
+        betas = torch.linspace(start, end, n, dtype=torch.float64)
+    elif kind == "scaled_linear":
+        betas = torch.linspace(start**0.5, end**0.5, n, dtype=torch.float64) ** 2
+    else:
+        raise ValueError(f"scheduler beta_schedule {kind!r} is not supported for DDPM training "
+                         "(supported: linear, scaled_linear)")
+    return torch.cumprod(1.0 - betas, dim=0)
+
+
+def quantile_to_discrete(q: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Fractions of the schedule in [0, 1] -> discrete timesteps 0 .. num_steps-1 (as floats); 1.0 is the
+    noisiest step, so an eval quantile means the same noise level for every objective."""
+    return torch.clamp(torch.floor(q.double() * num_steps), 0, num_steps - 1).float()
+
+
+def sample_discrete_timesteps(n: int, method: str, num_steps: int, generator: torch.Generator,
+                              lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+    """`n` discrete DDPM timesteps drawn by `method` over the [lo, hi) fraction of the schedule."""
+    u = sample_timesteps(n, method, 1.0, generator)
+    return quantile_to_discrete(lo + (hi - lo) * u, num_steps)
+
+
+def _ddpm_scales(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor):
+    a = alphas_cumprod[timesteps.long()].view(-1, *([1] * (like.dim() - 1)))
+    return a.sqrt().to(like.dtype), (1 - a).sqrt().to(like.dtype)
+
+
+def epsilon_prediction(latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                       alphas_cumprod: torch.Tensor) -> Noised:
+    """DDPM noising at discrete `timesteps`; the added noise is the target."""
+    signal, sigma = _ddpm_scales(alphas_cumprod, timesteps, latents)
+    return Noised(noisy=signal * latents + sigma * noise, timesteps=timesteps, target=noise)
+
+
+def v_prediction(latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                 alphas_cumprod: torch.Tensor) -> Noised:
+    """DDPM noising at discrete `timesteps`; the velocity sqrt(a) noise - sqrt(1-a) x_0 is the target."""
+    signal, sigma = _ddpm_scales(alphas_cumprod, timesteps, latents)
+    return Noised(noisy=signal * latents + sigma * noise, timesteps=timesteps,
+                  target=signal * noise - sigma * latents)
+
+
+DDPM_OBJECTIVES = {"epsilon": epsilon_prediction, "v": v_prediction}
 
 
 def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

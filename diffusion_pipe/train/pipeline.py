@@ -54,6 +54,8 @@ def init_distributed(device_name: str) -> Dist:
         # cuDNN's attention backend hit an illegal memory access in a Flux backward on the H200 (NOTES.md);
         # flash/efficient SDPA kernels remain.
         torch.backends.cuda.enable_cudnn_sdp(False)
+        # The fp32 LoRA matmuls may use TF32 tensor cores; the frozen base runs in its own dtype.
+        torch.backends.cuda.matmul.allow_tf32 = True
     return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
                 device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
 
