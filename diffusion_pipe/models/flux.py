@@ -225,7 +225,10 @@ class FluxAdapter(Adapter):
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            return comfyui_lora(lora)
+            config = self._config("transformer")
+            inner_dim = config["num_attention_heads"] * config["attention_head_dim"]
+            # diffusers builds every single block with its default mlp_ratio of 4
+            return comfyui_lora(lora, inner_dim=inner_dim, mlp_dim=int(inner_dim * 4.0))
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
@@ -277,13 +280,123 @@ MODEL_INDEX = """{
 """
 
 
-def comfyui_lora(lora: TensorDict) -> TensorDict:
-    """ComfyUI loads Flux LoRAs under diffusers module names with the `transformer.` prefix (q/k/v land in
-    slices of its fused qkv); alpha is written explicitly because ComfyUI scales by alpha/rank only when an
-    `.alpha` tensor exists."""
+def comfyui_lora(lora: TensorDict, inner_dim: int, mlp_dim: int) -> TensorDict:
+    """The LoRA under ComfyUI's own Flux module names (those of BFL's original model), `diffusion_model.`-prefixed,
+    as `lora_down`/`lora_up` with an explicit `.alpha` = rank (ComfyUI scales by alpha/rank only where `.alpha`
+    exists; lora_B is pre-scaled, so scale 1 is right).
+
+    Projections the original model fuses (q/k/v into `img_attn.qkv`, q/k/v/mlp into `linear1`) get one fused
+    LoRA each, exactly: A = cat(A_i), B = block_diag(B_i), zero rows for untrained parts. `inner_dim` and
+    `mlp_dim` are the widths of those parts (needed when a part has no LoRA).
+    """
+    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+
+    groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, pair in lora_modules(lora).items():
+        original, part = flux_original_module(module)
+        groups.setdefault(original, {})[part] = pair
     out: TensorDict = {}
-    for key, value in lora.items():
-        out[f"transformer.{key}"] = value
-        if ".lora_A." in key:
-            out[f"transformer.{key.rsplit('.lora_A.', 1)[0]}.alpha"] = torch.tensor(float(value.shape[0]))
+    for original, parts in sorted(groups.items()):
+        dims = flux_fused_dims(original, inner_dim, mlp_dim)
+        if dims is None:
+            a, b = parts[None]
+        else:
+            a, b = fuse_loras([parts.get(i) for i in range(len(dims))], dims)
+        if original == "final_layer.adaLN_modulation.1":
+            b = _swap_halves(b)  # BFL orders this projection's output (shift, scale); diffusers (scale, shift)
+        out.update(down_up_alpha(f"diffusion_model.{original}", a, b))
     return out
+
+
+# diffusers module name inside a double-stream block -> (BFL/ComfyUI name, part of the fused projection or None)
+_DOUBLE_BLOCK_NAMES: dict[str, tuple[str, int | None]] = {
+    "attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+    "attn.to_out.0": ("img_attn.proj", None),
+    "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+    "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_add_out": ("txt_attn.proj", None),
+    "ff.net.0.proj": ("img_mlp.0", None), "ff.net.2": ("img_mlp.2", None),
+    "ff_context.net.0.proj": ("txt_mlp.0", None), "ff_context.net.2": ("txt_mlp.2", None),
+    "norm1.linear": ("img_mod.lin", None), "norm1_context.linear": ("txt_mod.lin", None),
+}
+_SINGLE_BLOCK_NAMES: dict[str, tuple[str, int | None]] = {
+    "attn.to_q": ("linear1", 0), "attn.to_k": ("linear1", 1), "attn.to_v": ("linear1", 2),
+    "proj_mlp": ("linear1", 3), "proj_out": ("linear2", None), "norm.linear": ("modulation.lin", None),
+}
+_TOP_LEVEL_NAMES: dict[str, str] = {
+    "x_embedder": "img_in", "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
+}
+# Parameters that are not LoRA targets but complete the original state dict (qk norms).
+_DOUBLE_BLOCK_NORMS = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+                       "attn.norm_added_q": "txt_attn.norm.query_norm",
+                       "attn.norm_added_k": "txt_attn.norm.key_norm"}
+_SINGLE_BLOCK_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+
+
+def flux_original_module(module: str) -> tuple[str, int | None]:
+    """A diffusers Flux module name -> (its name in BFL's and ComfyUI's Flux model, its part index inside a fused
+    projection or None). 'transformer_blocks.3.attn.to_k' -> ('double_blocks.3.img_attn.qkv', 1)."""
+    import re
+
+    match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
+    if match:
+        kind, index, inner = match.groups()
+        double = kind == "transformer_blocks"
+        table = _DOUBLE_BLOCK_NAMES if double else _SINGLE_BLOCK_NAMES
+        if inner in table:
+            name, part = table[inner]
+            return f"{'double_blocks' if double else 'single_blocks'}.{index}.{name}", part
+    elif module in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[module], None
+    raise ValueError(f"export.formats: comfyui has no ComfyUI Flux name for LoRA module {module!r}; drop it from "
+                     "train.lora_targets or export the 'diffusers' format only")
+
+
+def flux_fused_dims(original: str, inner_dim: int, mlp_dim: int) -> list[int] | None:
+    """Output widths of the parts of a fused original projection, or None if `original` is not fused."""
+    if original.endswith((".img_attn.qkv", ".txt_attn.qkv")):
+        return [inner_dim] * 3
+    if original.startswith("single_blocks.") and original.endswith(".linear1"):
+        return [inner_dim] * 3 + [mlp_dim]
+    return None
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def original_flux_state_dict(state_dict: TensorDict, inner_dim: int, mlp_dim: int) -> TensorDict:
+    """A diffusers FluxTransformer2DModel state dict in BFL's original layout (ComfyUI's `diffusion_model.`
+    names without the prefix): the inverse of diffusers' `convert_flux_transformer_checkpoint_to_diffusers`."""
+    import re
+
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    out: TensorDict = {}
+    for key, value in state_dict.items():
+        module, param = key.rsplit(".", 1)
+        block = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(attn\.norm_.+)", module)
+        if block:  # qk norms: RMSNorm weights, called `scale` in BFL's code
+            kind, index, inner = block.groups()
+            double = kind == "transformer_blocks"
+            norm = (_DOUBLE_BLOCK_NORMS if double else _SINGLE_BLOCK_NORMS)[inner]
+            out[f"{'double_blocks' if double else 'single_blocks'}.{index}.{norm}.scale"] = value
+            continue
+        original, part = flux_original_module(module)
+        if part is not None:
+            fused.setdefault(f"{original}.{param}", {})[part] = value
+        elif original == "final_layer.adaLN_modulation.1":
+            out[f"{original}.{param}"] = _swap_halves(value)
+        else:
+            out[f"{original}.{param}"] = value
+    for key, parts in fused.items():
+        dims = flux_fused_dims(key.rsplit(".", 1)[0], inner_dim, mlp_dim)
+        assert dims is not None and sorted(parts) == list(range(len(dims))), key
+        out[key] = torch.cat([parts[i] for i in range(len(dims))], dim=0)
+    return dict(sorted(out.items()))

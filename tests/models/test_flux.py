@@ -79,7 +79,10 @@ def test_export_formats(tiny):
     lora = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 32),
             "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)}
     assert set(tiny.export_lora(lora, "diffusers")) == {f"transformer.{k}" for k in lora}
-    comfy = tiny.export_lora(lora, "comfyui")
-    assert comfy["transformer.transformer_blocks.0.attn.to_q.alpha"].item() == 4.0
+    comfy = tiny.export_lora(lora, "comfyui")  # q alone fills its third of the fused qkv; k, v rows are zero
+    assert set(comfy) == {f"diffusion_model.double_blocks.0.img_attn.qkv.{s}"
+                          for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].item() == 4.0
+    assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight"][32:].abs().sum() == 0
     with pytest.raises(ValueError, match="export.formats: 'kohya' is not supported"):
         tiny.export_lora(lora, "kohya")
