@@ -80,8 +80,16 @@ def make_data(store_root: Path, encoded: Path, shape: dict, n: int) -> None:
     write_encoded_table(samples, encoded)
 
 
-def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, compile_layers: bool,
-                 checkpointing: bool) -> None:
+# name -> train params of our run; "plain": whether the plain loop runs the same variant
+VARIANTS = {
+    "eager": {"plain": True, "max_gpu_memory_gb": 80},
+    "compile": {"plain": True, "compile": True, "max_gpu_memory_gb": 80},
+    "cap48": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 48},
+    "cap24": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20, "max_gpu_memory_gb": 24},
+}
+
+
+def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, variant: dict) -> None:
     path.write_text(f"""
 model: {{family: flux, path: {model_dir}, dtype: bfloat16}}
 scan: {{datasets: [{{path: .}}]}}
@@ -93,10 +101,9 @@ train:
   lora_rank: 32
   lora_alpha: 32.0
   device: {'cuda' if device == 'cuda' else 'cpu'}
-  compile: {str(compile_layers).lower()}
-  activation_checkpointing: {str(checkpointing).lower()}
   guidance: 3.5
-""")
+""" + "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in variant.items()
+              if k != "plain" and (device == "cuda" or k != "max_gpu_memory_gb")))
 
 
 def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, profile: Path | None) -> dict:
@@ -220,8 +227,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="dev")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--variants", default="eager,compile",
-                        help="comma list of: eager, compile, checkpointing (ours and plain each)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--profile", type=Path, default=None,
@@ -239,24 +245,29 @@ def main() -> None:
                      "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                      "torch": torch.__version__, "peak_flops": matmul_peak(args.device)}
     for variant in args.variants.split(","):
-        compile_layers, checkpointing = variant == "compile", variant == "checkpointing"
+        spec = VARIANTS[variant]
         params = work / f"params-{variant}.yaml"
-        write_params(params, model_dir, shape, args.steps, args.device, compile_layers, checkpointing)
+        write_params(params, model_dir, shape, args.steps, args.device, spec)
         prof = (lambda name: args.profile / f"{variant}-{name}.txt") if args.profile else (lambda name: None)
-        plain = plain_loop(model_dir, shape, args.steps, args.device, compile_layers,
-                           count_flops=results.get("flops_per_step") is None, profile=prof("plain"))
-        results.setdefault("flops_per_step", plain.pop("flops_per_step"))
-        plain.pop("flops_per_step", None)
+        results[variant] = {"params": {k: v for k, v in spec.items() if k != "plain"}}
+        if spec["plain"]:
+            plain = plain_loop(model_dir, shape, args.steps, args.device, spec.get("compile", False),
+                               count_flops=results.get("flops_per_step") is None, profile=prof("plain"))
+            flops = plain.pop("flops_per_step")
+            results["flops_per_step"] = results.get("flops_per_step") or flops
+            results[variant]["plain"] = plain
         ours = run_ours(work, params, encoded, store, variant, prof("ours"))
-        results[variant] = {"plain": plain, "ours": {k: ours[k] for k in ("step_seconds", "max_memory_gb",
-                                                                            "process_seconds", "lora_dtype")}}
+        results[variant]["ours"] = {k: ours[k] for k in ("step_seconds", "max_memory_gb", "process_seconds",
+                                                         "lora_dtype")}
         print(json.dumps({variant: results[variant]}), flush=True)
     eager = results.get("eager", {}).get("plain", {}).get("step_seconds")
-    print(f"\n{args.shape} on {results['gpu'] or 'cpu'}; model FLOPs/step {results['flops_per_step']:.3e}"
+    print(f"\n{args.shape} on {results['gpu'] or 'cpu'}; model FLOPs/step {results.get('flops_per_step') or 0:.3e}"
           + (f"; bf16 matmul peak {results['peak_flops'] / 1e12:.0f} TFLOP/s" if results["peak_flops"] else ""))
     print(f"{'variant':<14} {'runner':<6} {'s/step':>8} {'x eager plain':>14} {'MFU':>6} {'peak GB':>8}")
     for variant in args.variants.split(","):
         for runner in ("plain", "ours"):
+            if runner not in results[variant]:
+                continue
             r = results[variant][runner]
             mfu = (results["flops_per_step"] / r["step_seconds"] / results["peak_flops"]
                    if results["peak_flops"] else None)

@@ -131,6 +131,8 @@ class TrainParams:
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
+    blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
+    max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every_steps: int = 0  # 0: only at the end
     eval_every_steps: int = 0  # 0: only at the start and the end
@@ -141,6 +143,8 @@ class TrainParams:
             raise ValueError("steps, micro_batch_size and gradient_accumulation_steps must be >= 1")
         if self.pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be >= 1, got {self.pipeline_stages}")
+        if self.blocks_to_swap < 0 or self.max_gpu_memory_gb < 0:
+            raise ValueError("blocks_to_swap and max_gpu_memory_gb must be >= 0")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
         if self.learning_rate <= 0:
@@ -149,10 +153,19 @@ class TrainParams:
 
 @dataclass(frozen=True)
 class ExportParams:
-    """The export stage: which LoRA formats to write."""
+    """The export stage: which LoRA formats to write, and whether to write a merged checkpoint too."""
 
     formats: tuple[Literal["diffusers", "comfyui"], ...] = ("diffusers",)
-    name: str = "lora"
+    name: str = "lora"  # files are artifacts/<name>.<format>.safetensors, <name>.lineage.json, <name>.merged/
+    merged: bool = False  # also write the base denoiser with the LoRA folded in (diffusers format)
+
+    def __post_init__(self) -> None:
+        if not self.formats and not self.merged:
+            raise ValueError("formats is empty and merged is false: nothing to export; list a format")
+        if len(set(self.formats)) != len(self.formats):
+            raise ValueError(f"formats lists a format twice: {list(self.formats)}")
+        if not self.name or self.name != self.name.strip() or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"name {self.name!r} must be a plain file name (no '/', not hidden, not empty)")
 
 
 @dataclass(frozen=True)

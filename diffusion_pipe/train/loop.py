@@ -30,6 +30,7 @@ from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches,
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
+from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
 
 
@@ -93,7 +94,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
 
-    module = build_pipeline_module(local.layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
+    if dist.device.type == "cuda" and train.max_gpu_memory_gb:
+        total = torch.cuda.get_device_properties(dist.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, train.max_gpu_memory_gb * 2**30 / total), dist.device)
+    layers = apply_block_swap(local.layers, (local.start, local.stop), train.blocks_to_swap, dist.device)
+    module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
                                    train.seed, (local.start, local.stop), compile_layers=train.compile)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
