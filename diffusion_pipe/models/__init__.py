@@ -10,6 +10,8 @@ from diffusion_pipe.models.base import Adapter
 # name -> "module:Class"; the module's file stem equals the name (a registry test checks it).
 REGISTRY: dict[str, str] = {
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
+    "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
+    "wan": "diffusion_pipe.models.wan:WanAdapter",
 }
 
 

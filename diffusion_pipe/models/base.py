@@ -25,8 +25,14 @@ class Capabilities:
 
     media: tuple[str, ...]  # "image", "video"
     tasks: tuple[str, ...]  # "t2i", "t2v", "i2v"
-    objective: str  # "flow", "epsilon", "v"
+    objective: str  # "flow", "epsilon", "v": the default; a checkpoint may pick another (`Adapter.objective`)
     export_formats: tuple[str, ...]
+    objectives: tuple[str, ...] = ()  # every objective the family trains with; empty: just `objective`
+
+    @property
+    def all_objectives(self) -> tuple[str, ...]:
+        """Every objective a checkpoint of this family may train with."""
+        return self.objectives or (self.objective,)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,26 @@ class Adapter(ABC):
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Map stored VAE output to the denoiser's latent space (shift/scale), at load time."""
 
+    def objective(self) -> str:
+        """The training objective of this checkpoint ('flow', 'epsilon', 'v'); families whose checkpoints
+        differ (SDXL epsilon vs v-prediction) read it from the model's files."""
+        return self.capabilities.objective
+
+    def noise_schedule(self) -> dict:
+        """The scheduler config (`scheduler/scheduler_config.json`): DDPM objectives take their betas and
+        `num_train_timesteps` from it, so training uses the same schedule as inference."""
+        import json
+
+        path = self.model_dir / "scheduler" / "scheduler_config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; model.path must be a diffusers model with a scheduler/")
+        return json.loads(path.read_text())
+
+    def timestep_range(self) -> tuple[float, float]:
+        """The [lo, hi) fraction of the noise schedule this denoiser trains on; (0, 1) for all of it.
+        Mixture-of-experts families (Wan 2.2) train each expert on its own range."""
+        return (0.0, 1.0)
+
     @abstractmethod
     def denoiser_class(self) -> type[nn.Module]:
         """The diffusers class of the denoiser (built from its config on the meta device for training)."""
@@ -120,7 +146,8 @@ class Adapter(ABC):
     @abstractmethod
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:
-        """The tuple the first pipeline layer takes; `timesteps` in [0, 1]."""
+        """The tuple the first pipeline layer takes. `timesteps` are in the objective's units: flow matching
+        t in [0, 1]; epsilon and v prediction the discrete DDPM timestep (0 .. N-1, as floats)."""
 
     @abstractmethod
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

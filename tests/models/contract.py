@@ -1,0 +1,223 @@
+"""The adapter contract: one suite every model family runs against its own tiny config (random init, CPU).
+
+A family's test module subclasses `AdapterContract` as `Test<Family>Contract`, sets the class attributes and
+implements `unsplit_forward`. Fixtures are class-scoped: the tiny model is built once per family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from diffusion_pipe.models import REGISTRY, adapter_class
+from diffusion_pipe.models.base import Adapter, TensorDict
+from diffusion_pipe.train.data import noise_latents
+from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
+
+MEDIA = {"image", "video"}
+TASKS = {"t2i", "t2v", "i2v"}
+OBJECTIVES = {"flow", "epsilon", "v"}
+
+
+def random_like_spec(spec: dict, batch: int, seed: int) -> TensorDict:
+    """Random tensors (B, *shape) for a latent or text spec."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn((batch, *shape), generator=g).to(getattr(torch, dtype))
+            for name, (shape, dtype) in spec.items()}
+
+
+def lora_deltas(model: nn.Module) -> dict[str, torch.Tensor]:
+    """scale * B @ A of every active LoRA module of `model` (peft-injected, whoever injected it)."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    out[name] = module.get_delta_weight(adapter).float()
+    return out
+
+
+def expected_deltas(lora: TensorDict) -> dict[str, torch.Tensor]:
+    """B @ A per module of a PEFT-named LoRA whose scale is folded into B."""
+    return {key.removesuffix(".lora_A.weight"): lora[key.replace(".lora_A.", ".lora_B.")].float() @ value.float()
+            for key, value in lora.items() if key.endswith(".lora_A.weight")}
+
+
+class AdapterContract:
+    """Shared behaviour of every adapter. Subclasses set these and implement `unsplit_forward`."""
+
+    adapter_cls: ClassVar[type[Adapter]]
+    pipeline_cls: ClassVar[str]  # the diffusers pipeline class exported LoRAs must load into
+    denoiser_attr: ClassVar[str]  # its attribute holding the denoiser ("unet", "transformer")
+    media_sizes: ClassVar[tuple[tuple[int, int, int], ...]]  # (width, height, frames) to encode
+    roundtrip_formats: ClassVar[tuple[str, ...]]  # export formats the diffusers pipeline loads
+    text_max_length: ClassVar[int] = 16
+
+    def unsplit_forward(self, adapter: Adapter, denoiser: nn.Module, inputs: tuple,
+                        like: torch.Tensor) -> torch.Tensor:
+        """The denoiser's own forward on `model_inputs`' tuple, as latents shaped like `like` (what the
+        composed pipeline layers must equal)."""
+        raise NotImplementedError
+
+    # ---- fixtures ----------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def model_dir(self, tmp_path_factory) -> Path:
+        out = tmp_path_factory.mktemp(self.adapter_cls.name)
+        self.adapter_cls.build_tiny(out, seed=0)
+        return out
+
+    @pytest.fixture(scope="class")
+    def adapter(self, model_dir) -> Adapter:
+        return self.adapter_cls(model_dir, torch.float32)
+
+    @pytest.fixture(scope="class")
+    def lora_model(self, adapter) -> tuple[nn.Module, TensorDict]:
+        """The denoiser with LoRA on the default targets and non-zero B (so the adapters take part), and
+        its LoRA state dict with the scale folded into B, as the export stage passes it."""
+        torch.manual_seed(0)
+        denoiser = adapter.load_denoiser(torch.device("cpu"))
+        add_lora(denoiser, target_module_names(denoiser, adapter.default_lora_targets, adapter.lora_exclude()),
+                 rank=4, alpha=8.0, dropout=0.0)
+        for name, p in denoiser.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        folded = {k: v * 2.0 if ".lora_B." in k else v for k, v in lora_state_dict(denoiser).items()}
+        return denoiser, folded
+
+    # ---- identity ----------------------------------------------------------------------------------
+    def test_registry_entry(self):
+        name = self.adapter_cls.name
+        module, _, _ = REGISTRY[name].partition(":")
+        assert module.rsplit(".", 1)[1] == name
+        assert adapter_class(name) is self.adapter_cls
+
+    def test_capabilities(self, adapter):
+        caps = self.adapter_cls.capabilities
+        assert set(caps.media) <= MEDIA and caps.media
+        assert set(caps.tasks) <= TASKS and caps.tasks
+        assert set(caps.all_objectives) <= OBJECTIVES and caps.objective in caps.all_objectives
+        assert adapter.objective() in caps.all_objectives
+        assert caps.export_formats and set(self.roundtrip_formats) <= set(caps.export_formats)
+        assert ("video" in caps.media) == any(f > 1 for _, _, f in self.media_sizes)
+
+    # ---- encode side -------------------------------------------------------------------------------
+    def test_encode_media_matches_spec_and_is_deterministic(self, adapter):
+        vae = adapter.load_vae(torch.device("cpu"))
+        for width, height, frames in self.media_sizes:
+            assert width % adapter.pixel_multiple == 0 and height % adapter.pixel_multiple == 0
+            g = torch.Generator().manual_seed(width * frames)
+            pixels = torch.rand(2, 3, frames, height, width, generator=g) * 2 - 1
+            entries = adapter.encode_media(vae, pixels)
+            assert len(entries) == 2
+            for name, (shape, dtype) in adapter.latent_spec(width, height, frames).items():
+                assert tuple(entries[0][name].shape) == shape, (width, height, frames)
+                assert entries[0][name].dtype == getattr(torch, dtype)
+            again = adapter.encode_media(vae, pixels)
+            assert all(torch.equal(entries[i][k], again[i][k]) for i in range(2) for k in entries[i])
+
+    def test_encode_text_matches_spec_and_is_deterministic(self, adapter):
+        encoders = adapter.load_text_encoders(torch.device("cpu"))
+        captions = ["a red circle", "a blue square on a white background"]
+        texts = adapter.encode_text(encoders, captions, self.text_max_length)
+        spec = adapter.text_spec(self.text_max_length)
+        for entry in texts:
+            assert set(entry) == set(spec)
+            for name, (shape, dtype) in spec.items():
+                assert tuple(entry[name].shape) == shape and entry[name].dtype == getattr(torch, dtype)
+        again = adapter.encode_text(encoders, captions, self.text_max_length)
+        assert all(torch.equal(texts[i][k], again[i][k]) for i in range(2) for k in spec)
+        assert any(not torch.equal(texts[0][k], texts[1][k]) for k in spec)
+
+    def test_build_tiny_is_deterministic_under_seed(self, adapter, tmp_path):
+        ours = load_file(str(next(adapter.denoiser_dir().glob("*.safetensors"))))
+        self.adapter_cls.build_tiny(tmp_path / "same", seed=0)
+        same = self.adapter_cls(tmp_path / "same", torch.float32)
+        theirs = load_file(str(next(same.denoiser_dir().glob("*.safetensors"))))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    # ---- train side --------------------------------------------------------------------------------
+    def test_lora_targets_exist(self, adapter, lora_model):
+        plain = adapter.load_denoiser(torch.device("cpu"))
+        names = target_module_names(plain, adapter.default_lora_targets, adapter.lora_exclude())
+        for suffix in adapter.default_lora_targets:
+            assert any(n == suffix or n.endswith(f".{suffix}") for n in names), suffix
+        assert {k.rsplit(".lora_", 1)[0] for k in lora_model[1]} == set(names)
+
+    def _inputs(self, adapter, batch: int = 2, seed: int = 0):
+        width, height, frames = self.media_sizes[-1]
+        latents = random_like_spec(adapter.latent_spec(width, height, frames), batch, seed)["latents"]
+        text = random_like_spec(adapter.text_spec(self.text_max_length), batch, seed + 1)
+        g = torch.Generator().manual_seed(seed)
+        noised = noise_latents(adapter, latents, torch.randn(latents.shape, generator=g), None, "uniform", 1.0, g)
+        return latents, noised, adapter.model_inputs(noised.noisy, noised.timesteps, text, guidance=1.0)
+
+    def test_pipeline_layers_equal_unsplit_forward(self, adapter, lora_model):
+        denoiser, _ = lora_model
+        latents, _, inputs = self._inputs(adapter)
+        x = inputs
+        layers = adapter.pipeline_layers(denoiser)
+        for layer in layers[:-1]:
+            x = layer(x)
+            assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x)
+        split = adapter.prediction_to_latents(layers[-1](x), latents)
+        with torch.no_grad():
+            full = self.unsplit_forward(adapter, denoiser, inputs, latents)
+        assert split.shape == latents.shape
+        assert torch.allclose(split, full, atol=1e-5), (split - full).abs().max()
+        # Gradients reach the LoRA weights through every layer.
+        split.square().mean().backward()
+        grads = [p.grad for n, p in denoiser.named_parameters() if "lora_A" in n]
+        assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        denoiser.zero_grad(set_to_none=True)
+
+    def test_forward_is_deterministic_under_seed(self, adapter, lora_model):
+        denoiser, _ = lora_model
+        outs = []
+        for _ in range(2):
+            latents, noised, inputs = self._inputs(adapter, seed=3)
+            with torch.no_grad():
+                outs.append(self.unsplit_forward(adapter, denoiser, inputs, latents))
+        assert torch.equal(outs[0], outs[1])
+
+    def test_objective_noises_and_targets_in_latent_shape(self, adapter):
+        latents, noised, inputs = self._inputs(adapter)
+        assert noised.noisy.shape == noised.target.shape == latents.shape
+        lo, hi = adapter.timestep_range()
+        q = torch.tensor([0.0, 1.0])
+        at_ends = noise_latents(adapter, latents, torch.randn(latents.shape), q, "uniform", 1.0,
+                                torch.Generator().manual_seed(0))
+        assert at_ends.timesteps[0] < at_ends.timesteps[1]  # quantile 1 is the noisiest step
+        if adapter.objective() == "flow":
+            assert torch.allclose(at_ends.timesteps, torch.tensor([lo, hi]))
+
+    # ---- export side -------------------------------------------------------------------------------
+    def test_every_format_exports(self, adapter, lora_model):
+        """Every declared format maps the LoRA (fused layouts may merge modules; the round trip below checks
+        the values), alphas are scalars, and an unknown format names the param."""
+        _, lora = lora_model
+        for fmt in adapter.capabilities.export_formats:
+            out = adapter.export_lora(lora, fmt)
+            assert out and all(isinstance(v, torch.Tensor) for v in out.values()), fmt
+            assert all(v.ndim == 0 for k, v in out.items() if k.endswith(".alpha")), fmt
+        with pytest.raises(ValueError, match="export.formats: 'nope' is not supported"):
+            adapter.export_lora(lora, "nope")
+
+    def test_exported_lora_round_trips_into_diffusers_pipeline(self, adapter, lora_model, model_dir):
+        import diffusers
+
+        _, lora = lora_model
+        want = expected_deltas(lora)
+        for fmt in self.roundtrip_formats:
+            pipe = getattr(diffusers, self.pipeline_cls).from_pretrained(model_dir, dtype=torch.float32)
+            pipe.load_lora_weights({k: v.clone() for k, v in adapter.export_lora(lora, fmt).items()})
+            got = lora_deltas(getattr(pipe, self.denoiser_attr))
+            assert set(got) == set(want), (fmt, sorted(set(got) ^ set(want))[:5])
+            for name in want:
+                assert torch.allclose(got[name], want[name], atol=1e-6), (fmt, name)
