@@ -155,7 +155,7 @@ class TrainParams:
 class ExportParams:
     """The export stage: which LoRA formats to write, and whether to write a merged checkpoint too."""
 
-    formats: tuple[Literal["diffusers", "comfyui"], ...] = ("diffusers",)
+    formats: tuple[Literal["diffusers", "comfyui", "kohya"], ...] = ("diffusers",)
     name: str = "lora"  # files are artifacts/<name>.<format>.safetensors, <name>.lineage.json, <name>.merged/
     merged: bool = False  # also write the base denoiser with the LoRA folded in (diffusers format)
 
