@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from diffusion_pipe.models.cli import models_command
 from stages.encode import command as encode_command
 from stages.export import command as export_command
 from stages.scan import command as scan_command
@@ -24,6 +25,7 @@ main.add_command(scan_command)
 main.add_command(encode_command)
 main.add_command(train_command)
 main.add_command(export_command)
+main.add_command(models_command)
 
 
 @main.command("make-tiny")
