@@ -42,10 +42,18 @@ def make_tiny(family: str, out_dir: Path, seed: int) -> None:
 
 @main.command("lineage")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-def lineage(file: Path) -> None:
-    """Print the lineage record of an exported LoRA (or its lineage.json)."""
-    import json
+@click.option("--verify", is_flag=True, help="Check the record against the repository and the store; exit 1 on drift.")
+@click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
+              help="The repository --verify checks against.")
+@click.option("--diff", "other", type=click.Path(exists=True, path_type=Path),
+              help="Compare with another export's lineage; exit 1 if they differ.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw record.")
+def lineage(file: Path, verify: bool, repo: Path, other: Path | None, as_json: bool) -> None:
+    """Print the lineage record of an exported LoRA (FILE: a .safetensors, a lineage.json or a merged directory)."""
+    import sys
 
-    from diffusion_pipe.export.lineage import read_lineage
+    from diffusion_pipe.export.verify import lineage_command
 
-    click.echo(json.dumps(read_lineage(file), indent=2, sort_keys=True))
+    text, status = lineage_command(file, verify=verify, repo=repo, other=other, as_json=as_json)
+    click.echo(text, nl=False, err=status == 2)
+    sys.exit(status)

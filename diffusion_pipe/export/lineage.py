@@ -1,4 +1,11 @@
-"""Lineage: where a LoRA came from. Built at export, stored in the safetensors metadata and beside the file."""
+"""Lineage: where a LoRA came from. Built by train (checkpoints) and export (every file it writes), stored in the
+safetensors metadata under `diffusion_pipe.lineage` and in a `lineage.json` beside the file.
+
+A record holds: the resolved params; the hashes of the manifest, the encoded table and the set of store keys
+trained on; the base model's weights hash per component; the `dvc.lock` entries; the git commit and dirty flag;
+every installed package's version with Python, torch, CUDA and GPU; seed, steps and the final losses. Paths in
+it are relative to the repository, so `diffusion-pipe lineage --verify` can check a record against a clone.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,14 @@ from pathlib import Path
 import torch
 
 from diffusion_pipe.config import to_dict
-from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.fileio import atomic_writer
+from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import Params
 
-LINEAGE_VERSION = 1
+LINEAGE_VERSION = 2
+METADATA_KEY = "diffusion_pipe.lineage"
+MANIFEST = Path("data/manifest.parquet")
+STORE_FAMILIES = ("latent", "text")
 
 
 def git_state(repo: Path) -> dict:
@@ -53,30 +64,140 @@ def dvc_lock_entries(repo: Path) -> dict:
     return (YAML(typ="safe", pure=True).load(lock.read_text()) or {}).get("stages", {})
 
 
-def build_lineage(params: Params, repo: Path, manifest: Path, encoded: Path, lora: Path,
-                  base_hashes: dict[str, str], train_report: dict) -> dict:
-    """The lineage record of an export."""
+def encoded_store_keys(encoded_path: Path) -> dict[str, list[str]]:
+    """The store keys an encoded table points at, both splits (train and eval), sorted and unique per family:
+    {"latent": [...], "text": [...]}."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(encoded_path, columns=["latent_key", "text_key"])
+    return {"latent": sorted(set(table.column("latent_key").to_pylist())),
+            "text": sorted(set(table.column("text_key").to_pylist()))}
+
+
+def store_keys_record(store_keys: dict[str, list[str]]) -> dict:
+    """What a lineage records of a key set: its hash (of the sorted keys per family) and the counts."""
+    keys = {family: sorted(set(store_keys.get(family, []))) for family in STORE_FAMILIES}
+    return {"xxh3_128": hash_json(keys), "splits": ["train", "eval"], **{f: len(k) for f, k in keys.items()}}
+
+
+def model_dir(params: Params, repo: Path) -> Path:
+    """The base model's directory: `model.path` relative to the repository, else a hub id's local snapshot."""
+    from diffusion_pipe.models.common import resolve_model_dir
+
+    local = repo / params.model.path
+    return local.resolve() if local.is_dir() else resolve_model_dir(params.model.path)
+
+
+def base_weights(directory: Path) -> dict[str, str]:
+    """Component name -> weights hash (diffusion_pipe.weights.component_hash) of every diffusers component with
+    weights (transformer, vae, text encoders; not tokenizers or the scheduler)."""
+    from diffusion_pipe.weights import WEIGHT_SUFFIXES, component_hash
+
+    return {p.name: component_hash(p) for p in sorted(directory.iterdir())
+            if p.is_dir() and (p / "config.json").is_file() and any(
+                f.name.endswith(WEIGHT_SUFFIXES) for f in p.iterdir())}
+
+
+def repo_relative(repo: Path, path: Path) -> str:
+    """`path` relative to `repo` as POSIX text when it lies inside it, else absolute."""
+    full = (path if path.is_absolute() else repo / path).resolve()
+    try:
+        return full.relative_to(repo.resolve()).as_posix()
+    except ValueError:
+        return str(full)
+
+
+def file_input(repo: Path, path: Path) -> dict | None:
+    """{"path": repo-relative path, "xxh3_128": hash} of an input file, or None if it does not exist."""
+    full = path if path.is_absolute() else repo / path
+    return {"path": repo_relative(repo, full), "xxh3_128": hash_file(full)} if full.is_file() else None
+
+
+def training_record(params: Params, train_report: dict | None) -> dict:
+    """Seed, steps and final losses; from the train report when there is one."""
+    report = train_report or {}
+    return {"seed": params.train.seed, "steps": report.get("steps", params.train.steps),
+            **{k: report.get(k) for k in ("run_id", "train_loss_last", "train_loss_last10", "eval_loss_start",
+                                          "eval_loss_end")}}
+
+
+def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_keys: dict[str, list[str]],
+                       train_report: dict | None, *, manifest_path: Path = MANIFEST) -> dict:
+    """The lineage record of a trained LoRA or checkpoint (the train stage stamps `lora.safetensors` with it).
+
+    `store_keys`: {"latent": [...], "text": [...]}, the keys of both splits the run reads
+    (`encoded_store_keys(encoded_path)` gives them); `train_report`: the train report so far (steps, losses),
+    or None before the first step. Relative paths are taken relative to `repo`.
+    """
     return {
         "lineage_version": LINEAGE_VERSION,
+        "kind": "checkpoint",
         "params": to_dict(params),
-        "inputs": {"manifest": hash_file(manifest), "encoded": hash_file(encoded), "lora": hash_file(lora)},
-        "base_model": {"family": params.model.family, "path": params.model.path, "weights": base_hashes},
+        "inputs": {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
+                   "store_keys": store_keys_record(store_keys)},
+        "base_model": {"family": params.model.family, "path": params.model.path, "dtype": params.model.dtype,
+                       "weights": base_weights(model_dir(params, repo))},
         "dvc_lock": dvc_lock_entries(repo),
         "git": git_state(repo),
         "environment": environment(),
-        "training": {k: train_report.get(k) for k in ("run_id", "steps", "train_loss_last10", "eval_loss_start",
-                                                       "eval_loss_end")} | {"seed": params.train.seed},
+        "training": training_record(params, train_report),
     }
 
 
-def read_lineage(path: Path) -> dict:
-    """The lineage record in a LoRA's safetensors metadata, or in a lineage JSON file."""
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    from safetensors import safe_open
+def export_lineage(params: Params, repo: Path, lora_path: Path, manifest_path: Path, encoded_path: Path,
+                   train_report: dict | None, trained_lineage: dict | None) -> dict:
+    """The lineage record of an export: the checkpoint record of the inputs as they are now, the trained LoRA's
+    hash, and the record the train stage stamped on that LoRA (None when it carries none)."""
+    record = checkpoint_lineage(params, repo, encoded_path, encoded_store_keys(encoded_path), train_report,
+                                manifest_path=manifest_path)
+    record["kind"] = "export"
+    record["inputs"]["lora"] = file_input(repo, lora_path)
+    record["trained_lora"] = trained_lineage
+    return record
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if "diffusion_pipe.lineage" not in meta:
-        raise ValueError(f"{path}: no diffusion-pipe lineage record in its metadata")
-    return json.loads(meta["diffusion_pipe.lineage"])
+
+def read_lineage(path: Path) -> dict:
+    """The lineage record of a LoRA file (its safetensors metadata), a lineage JSON file, or a merged export's
+    directory (its lineage.json)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "lineage.json"
+        if not path.is_file():
+            raise ValueError(f"{path.parent}: no lineage.json inside; pass an exported file or lineage.json")
+    if path.suffix == ".json":
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    else:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as exc:  # safetensors raises its own error types for files that are not safetensors
+            raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+        if METADATA_KEY not in meta:
+            raise ValueError(f"{path}: no diffusion-pipe lineage record in its metadata; it was not written by "
+                             "diffusion-pipe export (or was re-saved by another tool)")
+        record = json.loads(meta[METADATA_KEY])
+    if not isinstance(record, dict) or "lineage_version" not in record:
+        raise ValueError(f"{path}: not a diffusion-pipe lineage record (no lineage_version)")
+    return record
+
+
+def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
+    """Add `metadata` to the header of the safetensors file at `path`, atomically, streaming the tensor bytes
+    (a 10 GB shard is never held in memory)."""
+    import struct
+
+    with open(path, "rb") as src:
+        (n,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(n))
+        header["__metadata__"] = {**header.get("__metadata__", {}), **metadata}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        with atomic_writer(path, "wb") as dst:
+            dst.write(struct.pack("<Q", len(text)) + text)
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from diffusion_pipe.encode.encode import load_adapter
-from diffusion_pipe.export.lineage import build_lineage
+from diffusion_pipe.export.lineage import METADATA_KEY, export_lineage
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
-from diffusion_pipe.hashing import canonical_json
+from diffusion_pipe.hashing import canonical_json, hash_file
 from diffusion_pipe.params import Params
-from diffusion_pipe.weights import component_hash
+from diffusion_pipe.tensorfile import save_deterministic
 
 
 def read_trained_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -33,22 +32,28 @@ def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[s
 
 def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, encoded: Path, train_report: Path,
                 out_dir: Path) -> list[Path]:
-    """Write `out_dir/<name>.<format>.safetensors` for every format asked for, plus `<name>.lineage.json`."""
+    """Write `out_dir/<name>.<format>.safetensors` for every format asked for, `out_dir/<name>.merged/` when
+    `export.merged`, and `out_dir/<name>.lineage.json` (the record plus every written file's hash)."""
+    from diffusion_pipe.export.merge import write_merged
+
     adapter = load_adapter(params.model)
     lora, meta = read_trained_lora(lora_path)
     rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
-    base_hashes = {p.name: component_hash(p) for p in sorted(adapter.model_dir.iterdir())
-                   if p.is_dir() and (p / "config.json").is_file()}
-    lineage = build_lineage(params, repo, manifest, encoded, lora_path, base_hashes,
-                            json.loads(train_report.read_text()))
-    written = []
+    report = json.loads(train_report.read_text()) if train_report.is_file() else None
+    trained = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    lineage = export_lineage(params, repo, lora_path, manifest, encoded, report, trained)
+    folded = fold_scale(lora, rank, alpha)
+    written, files = [], {}
     for fmt in params.export.formats:
-        tensors = dict(sorted(adapter.export_lora(fold_scale(lora, rank, alpha), fmt).items()))
+        tensors = adapter.export_lora(folded, fmt)
         path = out_dir / f"{params.export.name}.{fmt}.safetensors"
         metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
-                    "diffusion_pipe.export_format": fmt, "diffusion_pipe.lineage": canonical_json(lineage)}
-        write_bytes_atomic(path, save(tensors, metadata=metadata))
+                    "diffusion_pipe.export_format": fmt, METADATA_KEY: canonical_json(lineage)}
+        write_bytes_atomic(path, save_deterministic(tensors, metadata))
         written.append(path)
-    write_json_atomic(out_dir / f"{params.export.name}.lineage.json", lineage)
+        files[path.name] = hash_file(path)
+    if params.export.merged:
+        written.append(write_merged(adapter, folded, out_dir / f"{params.export.name}.merged", lineage))
+    write_json_atomic(out_dir / f"{params.export.name}.lineage.json", {**lineage, "files": files})
     print("export: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return written
