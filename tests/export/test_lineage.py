@@ -205,3 +205,27 @@ def test_file_without_lineage_is_a_clear_error(tmp_path):
         read_lineage(path)
     result = CliRunner().invoke(main, ["lineage", str(path)])
     assert result.exit_code == 2 and "no diffusion-pipe lineage record" in result.output
+
+
+def test_diffusers_export_loads_every_key_and_changes_the_output(pipeline):
+    """`FluxPipeline.load_lora_weights` takes every exported tensor, unchanged, and leaves no LoRA weight
+    unset: no unexpected and no missing keys."""
+    import torch
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    repo, _ = pipeline
+    pipe = FluxPipeline.from_pretrained(repo / "examples/flux-tiny/model")
+
+    def generate() -> torch.Tensor:
+        return pipe("a red circle on a white background", height=64, width=64, num_inference_steps=2,
+                    max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+    before = generate()
+    path = repo / "artifacts/shapes-lora.diffusers.safetensors"
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="shapes")
+    loaded = {n.replace(".shapes.", "."): p for n, p in pipe.transformer.named_parameters() if ".shapes." in n}
+    exported = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+    assert set(loaded) == set(exported)
+    assert all(torch.equal(loaded[k].detach(), exported[k]) for k in exported)
+    assert (generate() - before).abs().mean() > 1e-4
