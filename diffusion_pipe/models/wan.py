@@ -59,6 +59,16 @@ class WanBlock(nn.Module):
         return hidden, text, timestep_proj, temb, cos, sin
 
 
+class TopLevelParameters(nn.Module):
+    """The transformer's own top-level parameters (`scale_shift_table`), through its very `_parameters` dict.
+    Training loads weights by replacing Parameter objects inside the denoiser's modules after the layers are
+    built on the meta device; a plain reference would keep the stale meta Parameter, this one sees the new."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self._parameters = transformer._parameters
+
+
 class WanOut(nn.Module):
     """Last layer: adaptive output norm and projection to patch tokens (unpatchified by the adapter)."""
 
@@ -66,11 +76,11 @@ class WanOut(nn.Module):
         super().__init__()
         self.norm_out = transformer.norm_out
         self.proj_out = transformer.proj_out
-        self.scale_shift_table = transformer.scale_shift_table
+        self.top = TopLevelParameters(transformer)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _text, _proj, temb, _cos, _sin = inputs
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = (self.top.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         return self.proj_out(hidden)
 

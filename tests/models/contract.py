@@ -177,6 +177,24 @@ class AdapterContract:
         assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
         denoiser.zero_grad(set_to_none=True)
 
+    def test_layers_built_as_training_builds_them_match(self, adapter, lora_model):
+        """Meta init + per-stage weight loading (train/build.py) leaves no meta tensor in any layer, and
+        the LoRA-free layers compute the plain denoiser's forward."""
+        from diffusion_pipe.train.build import build_local_model
+
+        local = build_local_model(adapter, 1, 0, targets=adapter.default_lora_targets, rank=4, alpha=4.0,
+                                  dropout=0.0, seed=0)
+        meta = [n for layer in local.layers for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+                if t.device.type == "meta"]
+        assert not meta
+        latents, _, inputs = self._inputs(adapter, seed=5)
+        x = inputs
+        with torch.no_grad():
+            for layer in local.layers:
+                x = layer(x)
+            plain = self.unsplit_forward(adapter, adapter.load_denoiser(torch.device("cpu")), inputs, latents)
+        assert torch.allclose(adapter.prediction_to_latents(x, latents), plain, atol=1e-5)
+
     def test_forward_is_deterministic_under_seed(self, adapter, lora_model):
         denoiser, _ = lora_model
         outs = []
