@@ -1,0 +1,25 @@
+"""`diffusion-pipe models`: one row per registered family, and the README's table is exactly its output."""
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from diffusion_pipe.cli import main
+from diffusion_pipe.models import REGISTRY
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_models_command_lists_every_family():
+    result = CliRunner().invoke(main, ["models"])
+    assert result.exit_code == 0, result.output
+    rows = result.output.strip().splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == sorted(REGISTRY)
+
+
+def test_readme_table_is_the_command_output():
+    output = CliRunner().invoke(main, ["models"]).output.strip()
+    text = README.read_text()
+    start = text.index("<!-- models-table")
+    table = text[text.index("\n", start) + 1:text.index("<!-- /models-table -->")].strip()
+    assert table == output, "README's models table is stale: paste the output of `diffusion-pipe models`"
