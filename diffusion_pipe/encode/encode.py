@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.keys import latent_key, text_key
-from diffusion_pipe.encode.media import RESIZE_SPEC, load_image_pixels, parse_bucket
+from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels, parse_bucket
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import adapter_class
 from diffusion_pipe.models.base import Adapter
@@ -53,6 +53,7 @@ class Sample:
     caption: str
     latent_key: str
     text_key: str
+    media: str = "image"  # 'image' | 'video', as the scan measured it (animated GIF/WebP are videos)
 
     @property
     def sample_id(self) -> str:
@@ -96,26 +97,25 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                     f"multiple of {multiple}"
                 )
             lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
-                              frames={"count": frames}, vae_hash=vae_hash, vae_dtype=model.dtype)
+                              frames=frames_spec(row["media"], frames), vae_hash=vae_hash, vae_dtype=model.dtype)
             samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
-                                  row["content_hash"], row["caption"], lkey, tkey))
+                                  row["content_hash"], row["caption"], lkey, tkey, row["media"]))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
 class _PixelSet(torch.utils.data.Dataset):
     """Decodes and resizes media in DataLoader workers, overlapping with the encoder."""
 
-    def __init__(self, items: list[tuple[Path, str]]) -> None:
-        self.items = items
+    def __init__(self, items: list[tuple[Path, str, str]]) -> None:
+        self.items = items  # (path, media kind, bucket)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, frames, height, width) in [-1, 1]."""
-        path, bucket = self.items[i]
-        width, height, _ = parse_bucket(bucket)
-        return load_image_pixels(path, width, height).unsqueeze(1)
+        path, media, bucket = self.items[i]
+        return load_pixels(path, media, *parse_bucket(bucket))
 
 
 def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path], store: Store,
@@ -128,7 +128,7 @@ def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path]
     with store.writer("latent", pack_bytes=encode.pack_size_mb << 20) as writer, \
             tqdm(total=len(todo), desc="encode latents", unit="img", file=sys.stderr) as bar:
         for bucket, samples in sorted(by_bucket.items()):
-            items = [(roots[s.dataset] / s.path, bucket) for s in samples]
+            items = [(roots[s.dataset] / s.path, s.media, bucket) for s in samples]
             loader = torch.utils.data.DataLoader(_PixelSet(items), batch_size=encode.batch_size,
                                                  num_workers=encode.workers, shuffle=False)
             offset = 0

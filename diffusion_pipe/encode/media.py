@@ -1,17 +1,33 @@
 """Media preprocessing for the VAE: decode, orient, resize to cover the bucket, centre-crop, scale to [-1, 1].
 
-The exact recipe is named by `RESIZE_SPEC`, which enters every latent key: changing the recipe must change it.
+The exact recipe is named by `RESIZE_SPEC`, and the rule choosing a video's frames by `FRAME_RULE`; both enter
+every latent key, so changing either recipe must change its constant.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from diffusion_pipe.scan.errors import ScanError
+
 RESIZE_SPEC = "cover+center-crop/lanczos/pil"
+# How a video bucket of F frames is filled: the first F decoded frames, in presentation order, at the file's own
+# frame rate (no resampling to a target fps). The scan only gives a clip a bucket of F <= its frame count.
+FRAME_RULE = "first-n/native-fps"
+# Files Pillow decodes as animations (the scan calls animated GIF/WebP/PNG videos); everything else goes to PyAV.
+_PILLOW_ANIMATION_EXTS = frozenset({".gif", ".webp", ".png", ".apng"})
+
+
+class MediaError(ScanError):
+    """A media file no longer matches what the scan recorded (too few frames, no video stream).
+
+    A ScanError, so the stage prints it as a user error: the fix is re-running the scan."""
 
 
 def parse_bucket(bucket: str) -> tuple[int, int, int]:
@@ -20,14 +36,84 @@ def parse_bucket(bucket: str) -> tuple[int, int, int]:
     return w, h, f
 
 
+def frames_spec(media: str, frames: int) -> dict[str, Any]:
+    """The `frames` part of a latent key: the frame count, plus the selection rule for videos.
+
+    Images keep their historical spec ({"count": 1}) so their keys do not change; a video's spec names
+    FRAME_RULE, so changing how frames are picked re-encodes every video.
+    """
+    if media == "video":
+        return {"count": frames, "rule": FRAME_RULE}
+    return {"count": frames}
+
+
+def _cover_crop(im: Image.Image, width: int, height: int) -> torch.Tensor:
+    """(3, height, width) float32 in [-1, 1] from an RGB image: resized to cover the bucket, centre-cropped."""
+    scale = max(width / im.width, height / im.height)
+    rw, rh = max(width, round(im.width * scale)), max(height, round(im.height * scale))
+    im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+    left, top = (rw - width) // 2, (rh - height) // 2
+    im = im.crop((left, top, left + width, top + height))
+    arr = np.asarray(im, dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()
+
+
 def load_image_pixels(path: Path, width: int, height: int) -> torch.Tensor:
     """(3, height, width) float32 in [-1, 1]: EXIF-oriented, resized to cover, centre-cropped."""
     with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im).convert("RGB")
-        scale = max(width / im.width, height / im.height)
-        rw, rh = max(width, round(im.width * scale)), max(height, round(im.height * scale))
-        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
-        left, top = (rw - width) // 2, (rh - height) // 2
-        im = im.crop((left, top, left + width, top + height))
-        arr = np.asarray(im, dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()
+        return _cover_crop(ImageOps.exif_transpose(im).convert("RGB"), width, height)
+
+
+def _pillow_frames(path: Path, frames: int) -> list[Image.Image]:
+    # Pillow composites each GIF/WebP frame onto the previous ones (disposal handled), so frame i is the picture
+    # shown at step i, as the scan counted it.
+    out = []
+    with Image.open(path) as im:
+        n = int(getattr(im, "n_frames", 1))
+        for i in range(min(frames, n)):
+            im.seek(i)
+            out.append(im.convert("RGB"))
+    return out
+
+
+def _av_frames(path: Path, frames: int) -> list[Image.Image]:
+    import av  # imported on use: only video datasets need it
+
+    out: list[Image.Image] = []
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise MediaError(f"{path}: no video stream; re-run the scan stage (the file changed since it ran?)")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame threads inside FFmpeg: decoding is the slow part of a video
+        for frame in container.decode(stream):
+            out.append(frame.to_image())
+            if len(out) == frames:
+                break
+    return out
+
+
+def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
+    """(3, frames, height, width) float32 in [-1, 1]: the first `frames` frames (FRAME_RULE), each resized to
+    cover the bucket and centre-cropped exactly like an image.
+
+    Containers (mp4, webm, mov, mkv) decode with PyAV; animated GIF/WebP/PNG with Pillow. A clip with fewer
+    frames than its bucket is an error naming the file (the scan never assigns such a bucket).
+    """
+    path = Path(path)
+    decode = _pillow_frames if os.path.splitext(path.name)[1].lower() in _PILLOW_ANIMATION_EXTS else _av_frames
+    pictures = decode(path, frames)
+    if len(pictures) < frames:
+        raise MediaError(
+            f"{path}: decoded {len(pictures)} frames, its bucket needs {frames}; the file changed since the scan: "
+            "re-run the scan stage (dvc repro scan)"
+        )
+    return torch.stack([_cover_crop(p, width, height) for p in pictures], dim=1)
+
+
+def load_pixels(path: Path, media: str, width: int, height: int, frames: int) -> torch.Tensor:
+    """(3, frames, height, width) in [-1, 1] for a manifest item of kind `media` ('image' or 'video')."""
+    if media == "video":
+        return load_video_pixels(path, width, height, frames)
+    if frames != 1:
+        raise MediaError(f"{path}: an image has one frame, its bucket asks for {frames}; re-run the scan stage")
+    return load_image_pixels(path, width, height).unsqueeze(1)
