@@ -81,7 +81,7 @@ def init_lora_deterministic(model: nn.Module, seed: int) -> None:
             with torch.no_grad():
                 fresh = torch.empty(param.shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
-                param.copy_(fresh)
+                param.copy_(fresh.to(param.dtype))
 
 
 def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
@@ -100,7 +100,7 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
              for t in [*layer.parameters(), *layer.buffers()] if t.device.type == "meta"}
     load_weights(denoiser, local, directory, adapter.dtype)
     lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
-    add_lora(denoiser, lora_targets, rank, alpha, dropout)
+    add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
     init_lora_deterministic(denoiser, seed)
     denoiser.eval()
     return LocalModel(denoiser, layers, start, stop, lora_targets)

@@ -30,6 +30,7 @@ from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches,
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
+from diffusion_pipe.train.optim import make_optimizer
 from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
 
@@ -49,10 +50,10 @@ def lr_lambda(train: TrainParams):
 
 
 def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
-    """The engine's config. The frozen base runs in `model.dtype`, the LoRA weights are fp32 and the engine
-    runs in fp32 mode: the trainable weights are already full precision, so DeepSpeed's bf16 optimizer (fp32
-    master copies kept in step by per-parameter Python loops) has nothing to add. fp16 keeps DeepSpeed's loss
-    scaling. No "optimizer" block: a torch AdamW is passed in (DeepSpeed's FusedAdam would compile)."""
+    """The engine's config. Base and LoRA compute in `model.dtype`; fp32 master weights live in our optimizer
+    (train/optim.py), so the engine runs in fp32 mode and DeepSpeed's bf16 optimizer, which keeps its masters
+    in step with per-parameter Python loops, is not used. fp16 keeps DeepSpeed's loss scaling. No "optimizer"
+    block: a torch optimizer is passed in (DeepSpeed's FusedAdam would compile)."""
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -101,8 +102,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
                                    train.seed, (local.start, local.stop), compile_layers=train.compile)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, betas=train.adam_betas, eps=train.adam_eps,
-                                  weight_decay=train.weight_decay, fused=dist.device.type == "cuda")
+    optimizer = make_optimizer(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
+                               betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, model.dtype, dp_world))

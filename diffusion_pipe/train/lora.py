@@ -25,9 +25,11 @@ def target_module_names(model: nn.Module, suffixes: tuple[str, ...], exclude: st
     return sorted(names)
 
 
-def add_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> LoraConfig:
-    """Inject LoRA adapters into `model` in place; only they train, in fp32 whatever the base dtype (peft casts
-    a layer's input to the adapter's dtype and the sum back to the base's)."""
+def add_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
+             dtype: torch.dtype = torch.float32) -> LoraConfig:
+    """Inject LoRA adapters into `model` in place; only they train. They compute in `dtype` (give the base's:
+    peft casts each adapted layer's input to the adapter's dtype, a costly round trip when they differ);
+    the optimizer keeps fp32 masters when `dtype` is lower precision (train/optim.py)."""
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         init_lora_weights=True)
     model.requires_grad_(False)
@@ -35,7 +37,7 @@ def add_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, drop
     for name, param in model.named_parameters():
         if "lora_" in name:
             if param.device.type != "meta":
-                param.data = param.data.float()
+                param.data = param.data.to(dtype)
             param.requires_grad_(True)
     return config
 
