@@ -156,6 +156,13 @@ def export_lineage(params: Params, repo: Path, lora_path: Path, manifest_path: P
     return record
 
 
+def lineage_metadata(record: dict) -> dict[str, str]:
+    """The safetensors metadata entry that carries `record` (merge it into a file's metadata when saving)."""
+    from diffusion_pipe.hashing import canonical_json
+
+    return {METADATA_KEY: canonical_json(record)}
+
+
 def read_lineage(path: Path) -> dict:
     """The lineage record of a LoRA file (its safetensors metadata), a lineage JSON file, or a merged export's
     directory (its lineage.json)."""

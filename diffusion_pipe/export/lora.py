@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from diffusion_pipe.encode.encode import load_adapter
-from diffusion_pipe.export.lineage import METADATA_KEY, export_lineage
+from diffusion_pipe.export.lineage import METADATA_KEY, export_lineage, lineage_metadata
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
-from diffusion_pipe.hashing import canonical_json, hash_file
+from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.params import Params
 from diffusion_pipe.tensorfile import save_deterministic
 
@@ -48,7 +48,7 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
         tensors = adapter.export_lora(folded, fmt)
         path = out_dir / f"{params.export.name}.{fmt}.safetensors"
         metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
-                    "diffusion_pipe.export_format": fmt, METADATA_KEY: canonical_json(lineage)}
+                    "diffusion_pipe.export_format": fmt, **lineage_metadata(lineage)}
         write_bytes_atomic(path, save_deterministic(tensors, metadata))
         written.append(path)
         files[path.name] = hash_file(path)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from diffusion_pipe.export.keys import lora_modules
-from diffusion_pipe.export.lineage import METADATA_KEY, stamp_safetensors
+from diffusion_pipe.export.lineage import lineage_metadata, stamp_safetensors
 from diffusion_pipe.fileio import fsync_dir, write_json_atomic
-from diffusion_pipe.hashing import canonical_json, hash_file
+from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.models.base import Adapter, TensorDict
 
 
@@ -50,7 +50,7 @@ def write_merged(adapter: Adapter, lora: TensorDict, out_dir: Path, lineage: dic
     try:
         denoiser.save_pretrained(tmp / component)
         for path in sorted((tmp / component).glob("*.safetensors")):
-            stamp_safetensors(path, {METADATA_KEY: canonical_json(lineage)})
+            stamp_safetensors(path, lineage_metadata(lineage))
         files = {p.relative_to(tmp).as_posix(): hash_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json_atomic(tmp / "lineage.json", {**lineage, "files": files})
         if out_dir.exists():

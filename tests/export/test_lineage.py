@@ -229,3 +229,22 @@ def test_diffusers_export_loads_every_key_and_changes_the_output(pipeline):
     assert set(loaded) == set(exported)
     assert all(torch.equal(loaded[k].detach(), exported[k]) for k in exported)
     assert (generate() - before).abs().mean() > 1e-4
+
+
+def test_checkpoint_lineage_for_the_train_stage(pipeline, monkeypatch):
+    from diffusion_pipe.export.lineage import checkpoint_lineage, encoded_store_keys, lineage_metadata
+    from diffusion_pipe.export.verify import verify_lineage
+    from diffusion_pipe.params import load_params
+    from diffusion_pipe.store import Store
+
+    repo, store = pipeline
+    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(store))
+    keys = encoded_store_keys(repo / "data/encoded.parquet")
+    record = checkpoint_lineage(load_params(repo / "params.yaml"), repo, Path("data/encoded.parquet"), keys, None)
+    assert record["kind"] == "checkpoint" and "lora" not in record["inputs"]
+    assert record["training"]["steps"] == 6 and record["training"]["train_loss_last"] is None
+    exported = read_lineage(repo / "artifacts/shapes-lora.lineage.json")
+    assert record["inputs"]["store_keys"] == exported["inputs"]["store_keys"]
+    assert record["base_model"] == exported["base_model"]
+    assert json.loads(lineage_metadata(record)[METADATA_KEY]) == record
+    assert all(check.ok for check in verify_lineage(record, repo, Store(store)))
