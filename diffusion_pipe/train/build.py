@@ -102,5 +102,8 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
     lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
     add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
     init_lora_deterministic(denoiser, seed)
+    # Loading replaced parameter objects and peft replaced target modules: layers built before would hold
+    # stale references, so the layers are built again from the final model.
+    layers = adapter.pipeline_layers(denoiser)
     denoiser.eval()
     return LocalModel(denoiser, layers, start, stop, lora_targets)
