@@ -102,8 +102,38 @@ class EncodeParams:
     batch_size: int = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
     text_max_length: int = 512  # tokens of the sequence text encoder (T5 for Flux)
-    pack_size_mb: int = 256  # a store pack is flushed once it holds this much
-    workers: int = 2  # CPU workers decoding and resizing media
+    pack_size_mb: float = 256  # a store pack is flushed once it holds this much (fractions: small test packs)
+    workers: int = 2  # CPU workers decoding and resizing media, overlapping with the encoders
+    # Where the store is shared: "dvc" (the repo's default DVC remote, if one is configured), "dvc:NAME" (DVC
+    # remote NAME), "" (none: local store only), or a URL/path (/mnt/share, ssh://host/path, s3://bucket/prefix).
+    remote: str = "dvc"
+    push: bool = True  # upload the packs this run computed to the remote
+    # Under a launcher (torchrun), rank 0 waits for the other workers' entries; it gives up when none arrived
+    # for this long.
+    worker_stall_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.text_max_length < 1:
+            raise ValueError(f"text_max_length must be >= 1, got {self.text_max_length}")
+        if not self.pack_size_mb > 0:
+            raise ValueError(f"pack_size_mb must be > 0, got {self.pack_size_mb}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: decode in the encoding process), got {self.workers}")
+        if self.worker_stall_timeout_s <= 0:
+            raise ValueError(f"worker_stall_timeout_s must be > 0, got {self.worker_stall_timeout_s}")
+        if self.remote != self.remote.strip():
+            raise ValueError(f"remote {self.remote!r} has surrounding spaces; remove them")
+        if self.remote.startswith("dvc:") and not self.remote[4:]:
+            raise ValueError("remote 'dvc:' names no DVC remote; write 'dvc:NAME', 'dvc' for the default, or ''")
+        if "://" in self.remote and not self.remote.split("://", 1)[1].strip("/"):
+            raise ValueError(f"remote {self.remote!r} has no host or path after the scheme; e.g. s3://bucket/prefix")
+
+    @property
+    def pack_bytes(self) -> int:
+        """pack_size_mb in bytes (at least 1)."""
+        return max(1, int(self.pack_size_mb * (1 << 20)))
 
 
 @dataclass(frozen=True)

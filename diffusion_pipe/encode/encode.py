@@ -1,14 +1,20 @@
 """The encode stage: manifest rows -> latents and text embeddings in the store -> `data/encoded.parquet`.
 
-Only entries whose keys are in neither the local store nor its remote are computed. The encoded table holds
+Only entries whose keys are in neither the local store nor its remote are computed, and what is computed is
+uploaded to the remote. Media is decoded and resized in DataLoader workers (uint8, a quarter of the bytes of
+float pixels) while the encoder runs; finished entries go to the pack writer on a background thread, so pack
+writing overlaps the next batch. Several workers (GPUs, machines) split the missing keys: see `workers.py`. The encoded table holds
 input-derived fields only (sample id, keys, bucket, split, repeats), so it is byte-identical across machines
 and runs for the same inputs, and DVC stops the cascade when a re-encode changed nothing.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +25,15 @@ from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.keys import latent_key, text_key
-from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels, parse_bucket
+from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, parse_bucket, to_unit_range
+from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import adapter_class
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.models.common import DTYPES, dtype_name, resolve_model_dir
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
-from diffusion_pipe.store import Store
+from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
+from diffusion_pipe.store.remote import resolve_remote
 from diffusion_pipe.weights import component_hash, tokenizer_hash
 
 ENCODED_SCHEMA = pa.schema([
@@ -60,12 +68,15 @@ class Sample:
         return f"{self.dataset}/{self.path}@{self.bucket}"
 
 
-def pick_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error naming the param."""
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error naming the param. Under a
+    launcher, worker `local_rank` takes GPU `local_rank` of its machine."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' asked for but no CUDA GPU is visible; set it to 'auto' or 'cpu'")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("encode.device: 'cuda' asked for but no CUDA GPU is visible; set it to 'auto' or 'cpu'")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device(name)
 
 
@@ -113,48 +124,108 @@ class _PixelSet(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        """(3, frames, height, width) in [-1, 1]."""
+        """(3, frames, height, width) uint8; the encoding process scales it to [-1, 1] on its device."""
         path, media, bucket = self.items[i]
-        return load_pixels(path, media, *parse_bucket(bucket))
+        return load_pixels_uint8(path, media, *parse_bucket(bucket))
+
+
+class _BackgroundAdd:
+    """Hands entries to a PackWriter from one thread, so the device->host copy, the pack write, its hash and
+    fsync overlap the encoder's next batch instead of stalling it. At most `depth` batches wait in the queue,
+    which bounds the device memory they hold."""
+
+    def __init__(self, writer: PackWriter, depth: int = 4) -> None:
+        self._writer = writer
+        self._queue: queue.Queue[list[tuple[str, dict[str, torch.Tensor]]] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"encode-writer-{writer.family}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain without writing: the run has failed
+            try:
+                for key, entry in batch:
+                    self._writer.add(key, entry)
+            except BaseException as exc:  # re-raised in the encoding thread by add() or close()
+                self._error = exc
+
+    def add(self, batch: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        """Queue one batch of (key, tensors); raise the writer thread's error, if it failed."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(batch)
+
+    def close(self) -> None:
+        """Wait until every queued entry is with the writer; raise the writer thread's error, if any."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _batches_by_bucket(samples: list[Sample], batch_size: int) -> list[list[int]]:
+    """Index batches of `samples` (sorted by bucket), each within one bucket: one loader serves every bucket, so
+    decoding workers start once and keep the encoder fed across bucket boundaries."""
+    batches: list[list[int]] = []
+    start = 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or samples[i].bucket != samples[start].bucket or i - start == batch_size:
+            batches.append(list(range(start, i)))
+            start = i
+    return batches
 
 
 def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path], store: Store,
-                    encode: EncodeParams, device: torch.device) -> int:
+                    encode: EncodeParams, device: torch.device) -> tuple[int, list[str], float]:
+    """Compute and publish the latents of `todo`; returns (entries written, pack ids published, seconds spent
+    encoding and writing, without loading the model)."""
     vae = adapter.load_vae(device)
-    by_bucket: dict[str, list[Sample]] = {}
-    for s in todo:
-        by_bucket.setdefault(s.bucket, []).append(s)
+    started = time.perf_counter()
+    todo = sorted(todo, key=lambda s: (s.bucket, s.latent_key))
+    items = [(roots[s.dataset] / s.path, s.media, s.bucket) for s in todo]
+    loader = torch.utils.data.DataLoader(
+        _PixelSet(items), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
+        pin_memory=device.type == "cuda", prefetch_factor=4 if encode.workers else None,
+    )
     done = 0
-    with store.writer("latent", pack_bytes=encode.pack_size_mb << 20) as writer, \
-            tqdm(total=len(todo), desc="encode latents", unit="img", file=sys.stderr) as bar:
-        for bucket, samples in sorted(by_bucket.items()):
-            items = [(roots[s.dataset] / s.path, s.media, bucket) for s in samples]
-            loader = torch.utils.data.DataLoader(_PixelSet(items), batch_size=encode.batch_size,
-                                                 num_workers=encode.workers, shuffle=False)
-            offset = 0
-            for pixels in loader:
-                entries = adapter.encode_media(vae, pixels)
-                for s, entry in zip(samples[offset:offset + len(entries)], entries):
-                    writer.add(s.latent_key, entry)
-                offset += len(entries)
+    with store.writer("latent", pack_bytes=encode.pack_bytes) as writer, \
+            tqdm(total=len(todo), desc="encode latents", unit="item", file=sys.stderr) as bar:
+        background = _BackgroundAdd(writer)
+        try:
+            for pixels_uint8 in loader:
+                pixels = to_unit_range(pixels_uint8.to(device, non_blocking=True))
+                with torch.no_grad():
+                    entries = adapter.encode_media(vae, pixels)
+                background.add([(s.latent_key, e) for s, e in zip(todo[done:done + len(entries)], entries)])
                 done += len(entries)
                 bar.update(len(entries))
-    return done
+        finally:
+            background.close()
+    return writer.written, writer.packs, time.perf_counter() - started
 
 
 def _encode_texts(adapter: Adapter, todo: dict[str, str], store: Store, encode: EncodeParams,
-                  device: torch.device) -> int:
+                  device: torch.device) -> tuple[int, list[str], float]:
+    """Compute and publish the text embeddings of `todo` (key -> caption); returns (entries, pack ids, seconds
+    spent encoding and writing)."""
     encoders = adapter.load_text_encoders(device)
+    started = time.perf_counter()
     keys = sorted(todo)
-    with store.writer("text", pack_bytes=encode.pack_size_mb << 20) as writer, \
+    with store.writer("text", pack_bytes=encode.pack_bytes) as writer, \
             tqdm(total=len(keys), desc="encode text", unit="caption", file=sys.stderr) as bar:
-        for i in range(0, len(keys), encode.batch_size):
-            chunk = keys[i:i + encode.batch_size]
-            entries = adapter.encode_text(encoders, [todo[k] for k in chunk], encode.text_max_length)
-            for key, entry in zip(chunk, entries):
-                writer.add(key, entry)
-            bar.update(len(chunk))
-    return len(keys)
+        background = _BackgroundAdd(writer)
+        try:
+            for i in range(0, len(keys), encode.batch_size):
+                chunk = keys[i:i + encode.batch_size]
+                with torch.no_grad():
+                    entries = adapter.encode_text(encoders, [todo[k] for k in chunk], encode.text_max_length)
+                background.add(list(zip(chunk, entries)))
+                bar.update(len(chunk))
+        finally:
+            background.close()
+    return writer.written, writer.packs, time.perf_counter() - started
 
 
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
@@ -168,48 +239,127 @@ def write_encoded_table(samples: list[Sample], path: Path) -> None:
         pq.write_table(table, fh, compression="zstd", write_statistics=False, store_schema=False)
 
 
+@dataclass
+class FamilyCounts:
+    """What one family's entries took: the report's numbers for it."""
+
+    entries: int = 0
+    reused_local: int = 0
+    fetched_remote: int = 0
+    computed: int = 0
+    by_other_workers: int = 0
+    uploaded_packs: int = 0
+    seconds: float = 0.0  # the family's whole share of the run: lookups, transfers, model load, encoding
+    encode_seconds: float = 0.0  # encoding and writing only: what `per_second` divides by
+
+    def as_report(self) -> dict:
+        return {
+            "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
+            "computed": self.computed, "by_other_workers": self.by_other_workers,
+            "uploaded_packs": self.uploaded_packs, "seconds": round(self.seconds, 3),
+            "per_second": (round(self.computed / self.encode_seconds, 2)
+                           if self.computed and self.encode_seconds > 0 else None),
+        }
+
+
+def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
+    """Run one transfer with the remote; a connection or permission failure becomes a StoreError with the fix."""
+    try:
+        return fn()
+    except StoreError:
+        raise
+    except Exception as exc:  # each filesystem (ssh, s3, ...) raises its own exception types
+        raise StoreError(
+            f"encode.remote: cannot {what} the store remote {remote.url} ({type(exc).__name__}: {exc}); fix the "
+            "remote (URL, credentials in .dvc/config or the environment, network), or set encode.remote to '' "
+            "to encode with the local store only"
+        ) from exc
+
+
 def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, manifest_path: Path,
-                    encoded_path: Path, report_path: Path, store: Store) -> dict:
-    """Encode every missing latent and text entry of the manifest into `store`; write the encoded table and
-    the report. Returns the report."""
+                    encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
+                    workers: WorkerLayout | None = None) -> dict:
+    """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
+    upload what was computed; write the encoded table and the report (rank 0). Returns the report.
+
+    The remote is `encode.remote` resolved against `repo_root` (by default the repo's DVC remote, if any).
+    Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
+    keys and rank 0 waits for all of them before writing the outputs.
+    """
     started = time.perf_counter()
+    workers = workers or WorkerLayout.from_env()
     manifest = pq.read_table(manifest_path)
     adapter = load_adapter(model)
     samples = plan_samples(manifest, adapter, model, encode)
     roots = {_dataset_name(d.name, d.path): Path(d.path) for d in scan.datasets}
-    device = pick_device(encode.device)
+    device = pick_device(encode.device, workers.local_rank)
+    remote = resolve_remote(encode.remote, repo_root)
 
-    latent_keys = list(dict.fromkeys(s.latent_key for s in samples))
+    first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key
     captions = {s.text_key: s.caption for s in samples}
-    missing_latents = set(store.missing("latent", latent_keys))
-    missing_texts = {k: captions[k] for k in store.missing("text", list(captions))}
+    wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}
+    counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
+    todo: dict[str, list[str]] = {}
+    with store.lease("encode"):
+        for fam, keys in wanted.items():
+            t0 = time.perf_counter()
+            missing = store.missing(fam, keys)
+            counts[fam].reused_local = len(keys) - len(missing)
+            mine = workers.share(missing)
+            if remote is not None and mine:
+                counts[fam].fetched_remote = _remote_call(
+                    remote, "download from", lambda fam=fam, mine=mine: store.pull(remote, fam, mine))
+            todo[fam] = store.missing(fam, mine)
+            counts[fam].seconds += time.perf_counter() - t0
 
-    latent_todo = list({s.latent_key: s for s in samples if s.latent_key in missing_latents}.values())
-    t0 = time.perf_counter()
-    computed_latents = _encode_latents(adapter, latent_todo, roots, store, encode, device) if latent_todo else 0
-    t1 = time.perf_counter()
-    computed_texts = _encode_texts(adapter, missing_texts, store, encode, device) if missing_texts else 0
-    t2 = time.perf_counter()
+        packs: dict[str, list[str]] = {}
+        t0 = time.perf_counter()
+        if todo["latent"]:
+            latent_todo = [first_of_latent[k] for k in todo["latent"]]
+            c = counts["latent"]
+            c.computed, packs["latent"], c.encode_seconds = _encode_latents(adapter, latent_todo, roots, store,
+                                                                            encode, device)
+        t1 = time.perf_counter()
+        if todo["text"]:
+            c = counts["text"]
+            c.computed, packs["text"], c.encode_seconds = _encode_texts(
+                adapter, {k: captions[k] for k in todo["text"]}, store, encode, device)
+        t2 = time.perf_counter()
+        counts["latent"].seconds += t1 - t0
+        counts["text"].seconds += t2 - t1
 
+        if remote is not None and encode.push:
+            for fam, ids in packs.items():
+                counts[fam].uploaded_packs = _remote_call(
+                    remote, "upload to", lambda fam=fam, ids=ids: store.push(remote, fam, packs=ids))
+
+        summary = "; ".join(
+            f"{fam} computed {c.computed}, reused {c.reused_local}, fetched {c.fetched_remote}"
+            for fam, c in counts.items())
+        if workers.rank != 0:
+            print(f"encode worker {workers.rank}/{workers.world}: {summary}", file=sys.stderr)
+            return {fam: c.as_report() for fam, c in counts.items()}
+        if workers.world > 1:
+            arrived = wait_for_entries(
+                store, remote, wanted, encode.worker_stall_timeout_s,
+                lambda fam, keys: _remote_call(remote, "download from", lambda: store.pull(remote, fam, keys)))
+            for fam, c in counts.items():
+                c.by_other_workers = arrived[fam]  # still missing after rank 0's own share: the others' work
     write_encoded_table(samples, encoded_path)
+    elapsed = time.perf_counter() - started
     report = {
         "samples": len(samples),
         "samples_by_split": {split: sum(s.split == split for s in samples) for split in ("train", "eval")},
-        "latent": {"entries": len(latent_keys), "computed": computed_latents,
-                   "reused_local": len(latent_keys) - len(missing_latents),
-                   "per_second": round(computed_latents / (t1 - t0), 2) if computed_latents else None},
-        "text": {"entries": len(captions), "computed": computed_texts,
-                 "reused_local": len(captions) - len(missing_texts),
-                 "per_second": round(computed_texts / (t2 - t1), 2) if computed_texts else None},
+        **{fam: c.as_report() for fam, c in counts.items()},
+        "remote": remote.url if remote is not None else None,
+        "workers": workers.world,
         "device": str(device),
-        "seconds": round(time.perf_counter() - started, 2),
+        "seconds": round(elapsed, 2),
+        "samples_per_second": round(len(samples) / elapsed, 2) if elapsed > 0 else None,
     }
     write_json_atomic(report_path, report)
-    print(f"encode: {len(samples)} samples; latents computed {computed_latents}, reused "
-          f"{report['latent']['reused_local']}; text computed {computed_texts}, reused "
-          f"{report['text']['reused_local']}", file=sys.stderr)
+    print(f"encode: {len(samples)} samples; {summary}", file=sys.stderr)
     return report
-
 
 def _dataset_name(name: str, path: str) -> str:
     return name or Path(path).name

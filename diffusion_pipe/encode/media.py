@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from diffusion_pipe.scan.errors import ScanError
+from diffusion_pipe.config import ConfigError
 
 RESIZE_SPEC = "cover+center-crop/lanczos/pil"
 # How a video bucket of F frames is filled: the first F decoded frames, in presentation order, at the file's own
@@ -24,10 +24,11 @@ FRAME_RULE = "first-n/native-fps"
 _PILLOW_ANIMATION_EXTS = frozenset({".gif", ".webp", ".png", ".apng"})
 
 
-class MediaError(ScanError):
+class MediaError(ConfigError):
     """A media file no longer matches what the scan recorded (too few frames, no video stream).
 
-    A ScanError, so the stage prints it as a user error: the fix is re-running the scan."""
+    A ConfigError, so the stage prints it as a user error (the fix is re-running the scan), without making
+    encode import the scan package, which is not among its dvc.yaml deps."""
 
 
 def parse_bucket(bucket: str) -> tuple[int, int, int]:
@@ -47,15 +48,23 @@ def frames_spec(media: str, frames: int) -> dict[str, Any]:
     return {"count": frames}
 
 
-def _cover_crop(im: Image.Image, width: int, height: int) -> torch.Tensor:
-    """(3, height, width) float32 in [-1, 1] from an RGB image: resized to cover the bucket, centre-cropped."""
+def _cover_crop_uint8(im: Image.Image, width: int, height: int) -> torch.Tensor:
+    """(3, height, width) uint8 from an RGB image: resized to cover the bucket, centre-cropped."""
     scale = max(width / im.width, height / im.height)
     rw, rh = max(width, round(im.width * scale)), max(height, round(im.height * scale))
-    im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+    im = im.resize((rw, rh), Image.Resampling.LANCZOS)  # Pillow returns a copy when the size already fits
     left, top = (rw - width) // 2, (rh - height) // 2
     im = im.crop((left, top, left + width, top + height))
-    arr = np.asarray(im, dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()
+    return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+
+
+def to_unit_range(pixels_uint8: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1]; the same arithmetic on any device, so CPU and GPU agree bit for bit."""
+    return pixels_uint8.float().div(127.5).sub(1.0)
+
+
+def _cover_crop(im: Image.Image, width: int, height: int) -> torch.Tensor:
+    return to_unit_range(_cover_crop_uint8(im, width, height))
 
 
 def load_image_pixels(path: Path, width: int, height: int) -> torch.Tensor:
@@ -92,13 +101,7 @@ def _av_frames(path: Path, frames: int) -> list[Image.Image]:
     return out
 
 
-def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
-    """(3, frames, height, width) float32 in [-1, 1]: the first `frames` frames (FRAME_RULE), each resized to
-    cover the bucket and centre-cropped exactly like an image.
-
-    Containers (mp4, webm, mov, mkv) decode with PyAV; animated GIF/WebP/PNG with Pillow. A clip with fewer
-    frames than its bucket is an error naming the file (the scan never assigns such a bucket).
-    """
+def _video_uint8(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
     path = Path(path)
     decode = _pillow_frames if os.path.splitext(path.name)[1].lower() in _PILLOW_ANIMATION_EXTS else _av_frames
     pictures = decode(path, frames)
@@ -107,13 +110,33 @@ def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch
             f"{path}: decoded {len(pictures)} frames, its bucket needs {frames}; the file changed since the scan: "
             "re-run the scan stage (dvc repro scan)"
         )
-    return torch.stack([_cover_crop(p, width, height) for p in pictures], dim=1)
+    return torch.stack([_cover_crop_uint8(p, width, height) for p in pictures], dim=1)
+
+
+def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
+    """(3, frames, height, width) float32 in [-1, 1]: the first `frames` frames (FRAME_RULE), each resized to
+    cover the bucket and centre-cropped exactly like an image.
+
+    Containers (mp4, webm, mov, mkv) decode with PyAV; animated GIF/WebP/PNG with Pillow. A clip with fewer
+    frames than its bucket is an error naming the file (the scan never assigns such a bucket).
+    """
+    return to_unit_range(_video_uint8(path, width, height, frames))
+
+
+def load_pixels_uint8(path: Path, media: str, width: int, height: int, frames: int) -> torch.Tensor:
+    """(3, frames, height, width) uint8 for a manifest item of kind `media` ('image' or 'video').
+
+    What the encode stage's CPU workers produce: a quarter of the bytes of float pixels to pass between
+    processes and to the GPU, where `to_unit_range` finishes the job.
+    """
+    if media == "video":
+        return _video_uint8(path, width, height, frames)
+    if frames != 1:
+        raise MediaError(f"{path}: an image has one frame, its bucket asks for {frames}; re-run the scan stage")
+    with Image.open(path) as im:
+        return _cover_crop_uint8(ImageOps.exif_transpose(im).convert("RGB"), width, height).unsqueeze(1)
 
 
 def load_pixels(path: Path, media: str, width: int, height: int, frames: int) -> torch.Tensor:
-    """(3, frames, height, width) in [-1, 1] for a manifest item of kind `media` ('image' or 'video')."""
-    if media == "video":
-        return load_video_pixels(path, width, height, frames)
-    if frames != 1:
-        raise MediaError(f"{path}: an image has one frame, its bucket asks for {frames}; re-run the scan stage")
-    return load_image_pixels(path, width, height).unsqueeze(1)
+    """(3, frames, height, width) float32 in [-1, 1] for a manifest item of kind `media` ('image' or 'video')."""
+    return to_unit_range(load_pixels_uint8(path, media, width, height, frames))

@@ -2,6 +2,9 @@
 
 from diffusion_pipe.store.pack import PackWriter, Sidecar, StoreError
 from diffusion_pipe.store.remote import Remote
-from diffusion_pipe.store.store import GcReport, Problem, Store, default_root
+from diffusion_pipe.store.store import GcReport, Lease, Problem, Store, default_root, live_leases
 
-__all__ = ["GcReport", "PackWriter", "Problem", "Remote", "Sidecar", "Store", "StoreError", "default_root"]
+__all__ = [
+    "GcReport", "Lease", "PackWriter", "Problem", "Remote", "Sidecar", "Store", "StoreError", "default_root",
+    "live_leases",
+]

@@ -40,7 +40,7 @@ TEMP_SUFFIX = ".tmp"
 PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 FAMILY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 # Directories under the store root that are not families.
-RESERVED_DIRS = frozenset({"quarantine", "hash-cache", "remote-index"})
+RESERVED_DIRS = frozenset({"quarantine", "hash-cache", "remote-index", "leases"})
 
 # safetensors header dtype codes -> torch dtype names as the sidecar records them.
 _ST_DTYPES = {

@@ -236,3 +236,31 @@ def push(store: Store, remote: Remote, family: str, keys: list[str] | None = Non
         remote._publish(store.sidecar_path(family, pack_id), family, pack_id + SIDECAR_SUFFIX)
         uploaded += 1
     return uploaded
+
+
+def resolve_remote(spec: str, repo_root: str | Path = ".", param: str = "encode.remote") -> Remote | None:
+    """The store remote that `spec` (the value of `param`) names, or None for none.
+
+    "dvc": the repo's default DVC remote, or None when the repo has none (or is not a DVC repo); "dvc:NAME": DVC
+    remote NAME, an error if absent; "": none; anything else: a URL or path, relative paths from `repo_root`.
+    Packs live in the DVC remote under `diffusion-pipe-store/`, beside DVC's objects.
+    """
+    if not spec:
+        return None
+    root = Path(repo_root).resolve()
+    if spec == "dvc" or spec.startswith("dvc:"):
+        name = spec[4:] or None
+        if name is None:
+            if not (root / ".dvc").is_dir():
+                return None
+            from dvc.config import Config
+
+            if not Config(dvc_dir=str(root / ".dvc")).get("core", {}).get("remote"):
+                return None
+        try:
+            return Remote.from_dvc(root, name)
+        except StoreError as exc:
+            raise StoreError(f"{param}: {exc}; or set {param} to '' for none") from exc
+    if "://" not in spec and not Path(spec).is_absolute():
+        spec = str(root / spec)
+    return Remote(spec)

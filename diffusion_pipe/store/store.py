@@ -8,6 +8,7 @@ Layout under the root (an absolute path, by default ~/.cache/diffusion-pipe)::
     <root>/quarantine/<family>/                packs that failed verification, moved out of sight
     <root>/hash-cache/                         weights hash cache (diffusion_pipe.weights)
     <root>/remote-index/                       cached sidecars of remotes (diffusion_pipe.store.remote)
+    <root>/leases/                             one file per running writer (encode): gc spares what it writes
 
 Read-path verification: when a sidecar is loaded, the pack's size is checked (one stat). On the first open of a
 pack in a process, its safetensors header is checked against the sidecar (a few KB) and, with
@@ -20,11 +21,13 @@ so encode recomputes them; get() raises a StoreError naming the pack and key unl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,11 @@ from diffusion_pipe.store.pack import (
 ENV_VAR = "DIFFUSION_PIPE_STORE"
 # Open safetensors handles kept per Store: each holds an mmap and a file descriptor.
 _MAX_OPEN_PACKS = 64
+# A running writer's lease file is touched this often; one untouched for LEASE_TTL_S belongs to a dead process.
+LEASE_HEARTBEAT_S = 30.0
+LEASE_TTL_S = 600.0
+# Clock skew between machines sharing a store over a network filesystem, allowed for in lease times.
+_LEASE_SLACK_S = 60.0
 
 
 def default_root() -> Path:
@@ -85,6 +93,8 @@ class GcReport:
     mixed_packs: list[str] = field(default_factory=list)  # kept: hold kept and unkept keys
     unkept_entries_in_mixed_packs: int = 0
     young_packs: list[str] = field(default_factory=list)  # unkept but within the grace period
+    in_use_packs: list[str] = field(default_factory=list)  # unkept, but written since a running writer started
+    live_leases: int = 0  # running writers (encode) seen when gc ran
 
 
 @dataclass
@@ -114,6 +124,58 @@ class _FamilyIndex:
 
 class _CorruptPack(Exception):
     pass
+
+
+class Lease:
+    """A running writer's claim on the store: gc keeps every file written since `started` while it lives.
+
+    A daemon thread touches the lease file every LEASE_HEARTBEAT_S; a process killed with SIGKILL stops touching
+    it, and gc ignores leases untouched for LEASE_TTL_S. Use `Store.lease()`.
+    """
+
+    def __init__(self, path: Path, purpose: str) -> None:
+        self.path = path
+        self.started = time.time()
+        self._stop = threading.Event()
+        body = {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
+        from diffusion_pipe.fileio import write_json_atomic
+
+        write_json_atomic(path, body)
+        self._thread = threading.Thread(target=self._beat, name=f"store-lease-{path.name}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_HEARTBEAT_S):
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        """End the claim: stop the heartbeat and remove the lease file."""
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def live_leases(root: Path, now: float | None = None) -> list[dict[str, Any]]:
+    """The lease records under `root`/leases touched within LEASE_TTL_S (running writers)."""
+    now = time.time() if now is None else now
+    out = []
+    try:
+        entries = list(os.scandir(root / "leases"))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not entry.name.endswith(".json") or entry.name.startswith("."):
+            continue
+        try:
+            if now - entry.stat().st_mtime > LEASE_TTL_S:
+                continue
+            record = json.loads(Path(entry.path).read_bytes())
+            out.append({**record, "file": entry.name})
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            continue
+    return out
 
 
 class Store:
@@ -365,6 +427,16 @@ class Store:
         """A PackWriter publishing `family` packs of about `pack_bytes` each; use it as a context manager."""
         return PackWriter(self, family, pack_bytes)
 
+    @contextlib.contextmanager
+    def lease(self, purpose: str) -> Iterator[Lease]:
+        """Hold a Lease while writing: gc deletes nothing written since it began until it is released."""
+        name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}.json"
+        lease = Lease(self.root / "leases" / name, purpose)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
     # ---------------------------------------------------------------- verification
 
     def quarantine(self, family: str, pack_id: str) -> Path:
@@ -477,15 +549,27 @@ class Store:
         A pack holding both kept and unkept entries is kept whole: packs are immutable, and rewriting the kept
         part would cost a full read and write for little space (the report counts such packs). Temp files and
         orphan packs (no sidecar: a writer crashed between rename and sidecar) are deleted only when older than
-        `grace_seconds`, so a running writer's files are never touched. Sidecars go before packs, so a reader
-        never sees a sidecar whose pack is gone.
+        `grace_seconds`. Nothing written since a running writer (a live `lease()`) started is deleted, whatever
+        its age, so a running encode's packs and temp files are never touched. Sidecars go before packs, so a
+        reader never sees a sidecar whose pack is gone.
         """
         report = GcReport()
         now = time.time()
+        leases = live_leases(self.root, now)
+        report.live_leases = len(leases)
+        # Files written since the oldest running writer started may belong to it (packs it published but has not
+        # yet recorded in an encoded table, temp files it is writing): spared whatever the grace period.
+        protect_from = min((float(lease["started"]) for lease in leases), default=float("inf")) - _LEASE_SLACK_S
+
+        def in_use(path: Path) -> bool:
+            try:
+                return path.stat().st_mtime >= protect_from
+            except FileNotFoundError:
+                return False
 
         def old(path: Path) -> bool:
             try:
-                return now - path.stat().st_mtime >= grace_seconds
+                return now - path.stat().st_mtime >= grace_seconds and not in_use(path)
             except FileNotFoundError:
                 return False
 
@@ -503,6 +587,9 @@ class Store:
                         report.unkept_entries_in_mixed_packs += len(sidecar.entries) - kept
                     continue
                 pack, side = directory / (pack_id + PACK_SUFFIX), directory / (pack_id + SIDECAR_SUFFIX)
+                if in_use(pack) or in_use(side):
+                    report.in_use_packs.append(pack_id)
+                    continue
                 if not (old(pack) and old(side)):
                     report.young_packs.append(pack_id)
                     continue
