@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from diffusion_pipe.models.cli import models_command
+from diffusion_pipe.store.cli import store_group
 from stages.encode import command as encode_command
 from stages.export import command as export_command
 from stages.scan import command as scan_command
@@ -26,6 +27,7 @@ main.add_command(encode_command)
 main.add_command(train_command)
 main.add_command(export_command)
 main.add_command(models_command)
+main.add_command(store_group)
 
 
 @main.command("make-tiny")
