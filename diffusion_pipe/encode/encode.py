@@ -257,6 +257,7 @@ class FamilyCounts:
             "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
             "computed": self.computed, "by_other_workers": self.by_other_workers,
             "uploaded_packs": self.uploaded_packs, "seconds": round(self.seconds, 3),
+            "encode_seconds": round(self.encode_seconds, 3),
             "per_second": (round(self.computed / self.encode_seconds, 2)
                            if self.computed and self.encode_seconds > 0 else None),
         }
