@@ -22,12 +22,9 @@ _PARAM_PATHS: dict[str, tuple[str, Callable]] = {
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix: printed as one message, exit status 2, no traceback."""
-    from diffusion_pipe.config import ConfigError
-    from diffusion_pipe.scan import ScanError
-    from diffusion_pipe.store import StoreError
-    from diffusion_pipe.train.data import DataError
+    from diffusion_pipe.errors import UserError
 
-    return ConfigError, ScanError, StoreError, DataError, FileNotFoundError
+    return UserError, FileNotFoundError
 
 
 def stage_command(name: str) -> Callable:

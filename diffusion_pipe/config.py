@@ -16,10 +16,12 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from ruamel.yaml import YAML
 
+from diffusion_pipe.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A param is missing, unknown or of the wrong type; the message names it and says how to fix it."""
 
 

@@ -1,5 +1,7 @@
 """The scan's user-facing error, in a module of its own so importing it costs nothing."""
 
+from diffusion_pipe.errors import UserError
 
-class ScanError(ValueError):
+
+class ScanError(UserError):
     """The datasets break a scan policy (e.g. missing captions with caption_policy 'error'); says how to fix it."""

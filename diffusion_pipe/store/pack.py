@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
 from diffusion_pipe.hashing import canonical_json, hash_file
+from diffusion_pipe.errors import UserError
 
 if TYPE_CHECKING:
     from diffusion_pipe.store.store import Store
@@ -64,7 +65,7 @@ _ST_DTYPES = {
 _MAX_HEADER = 256 << 20
 
 
-class StoreError(ValueError):
+class StoreError(UserError):
     """A user-facing store problem; the message names the key, pack or path and what to do about it."""
 
 

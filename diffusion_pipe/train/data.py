@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 
 from diffusion_pipe.encode.media import parse_bucket
+from diffusion_pipe.errors import UserError
 from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.models.base import Adapter, Spec
 from diffusion_pipe.store import Store
@@ -24,7 +25,7 @@ from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alpha
                                              quantile_to_discrete, sample_discrete_timesteps, sample_timesteps)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """The encoded data cannot be trained on as configured; the message names the key or param."""
 
 

@@ -23,7 +23,7 @@ from diffusion_pipe.config import ConfigError, to_dict
 from diffusion_pipe.encode.encode import load_adapter
 from diffusion_pipe.fileio import atomic_writer, write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_file, hash_json
-from diffusion_pipe.params import EncodeParams, ModelParams, TrainParams
+from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches, read_rows
@@ -72,8 +72,10 @@ def _latest_step(checkpoint_dir: Path) -> int | None:
 
 
 def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, encoded_path: Path, out_dir: Path,
-               report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store) -> dict:
-    """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot."""
+               report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store,
+               lineage_params: Params | None = None) -> dict:
+    """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
+    With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record."""
     import deepspeed
 
     dist = init_distributed(train.device)
@@ -213,7 +215,17 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if report["eval_loss_start"] is not None:
         report["eval_loss_improved"] = report["eval_loss_end"] < report["eval_loss_start"]
     if is_reporter:
-        _write_lora(out_dir / "lora.safetensors", lora, model, train, targets, run_id)
+        lineage = None
+        if lineage_params is not None:
+            from diffusion_pipe.export.lineage import checkpoint_lineage, encoded_store_keys
+
+            # only the deterministic part of the report: the LoRA's bytes must not depend on timings
+            stable = {k: report[k] for k in ("run_id", "steps", "train_loss_last10", "eval_loss_start",
+                                             "eval_loss_end")}
+            lineage = checkpoint_lineage(lineage_params, Path.cwd(), encoded_path, encoded_store_keys(encoded_path),
+                                         stable)
+            write_json_atomic(checkpoint_dir / "lineage.json", lineage)
+        _write_lora(out_dir / "lora.safetensors", lora, model, train, targets, run_id, lineage)
         write_json_atomic(report_path, report)
         with atomic_writer(loss_plot_path, "w") as fh:
             fh.write("step,loss\n")
@@ -266,11 +278,15 @@ def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str
 
 
 def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, train: TrainParams,
-                targets: list[str], run_id: str) -> None:
+                targets: list[str], run_id: str, lineage: dict | None) -> None:
     metadata = {
         "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
         "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
         "lora_targets": json.dumps(targets),
     }
+    if lineage is not None:
+        from diffusion_pipe.export.lineage import lineage_metadata
+
+        metadata |= lineage_metadata(lineage)
     tensors = {k: v.float().contiguous() for k, v in sorted(lora.items())}
     write_bytes_atomic(path, save_deterministic(tensors, metadata))

@@ -19,4 +19,5 @@ def command(params, encoded: Path, out: Path, report: Path, loss_plot: Path, run
     from diffusion_pipe.store import Store
     from diffusion_pipe.train.loop import train_lora
 
-    train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, runs, Store.default())
+    train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, runs, Store.default(),
+               lineage_params=params)
