@@ -78,3 +78,10 @@ def test_params_are_frozen(tmp_path):
     params = load_params(write(tmp_path, ""))
     with pytest.raises(AttributeError):
         params.train.steps = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "examples").rglob("params*.yaml")),
+                         ids=lambda p: p.parent.name + "/" + p.name)
+def test_shipped_example_params_load(path):
+    params = load_params(path)
+    assert params.scan.datasets
