@@ -29,7 +29,9 @@ def _report(repo: Path, name: str = "reports/encode.json") -> dict:
     return json.loads((repo / name).read_text())
 
 
-@pytest.mark.parametrize("server", ["sftp", pytest.param("s3", marks=pytest.mark.slow)])
+# about 30 s each (scan, two encodes); tests/store/test_remote_servers.py runs SFTP sync by default
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["sftp", "s3"])
 def test_second_machine_fetches_everything_through_the_dvc_remote(server: str, request: pytest.FixtureRequest,
                                                                   tmp_path: Path) -> None:
     store_a, store_b = tmp_path / "store-a", tmp_path / "store-b"
