@@ -59,17 +59,25 @@ class Adapter(ABC):
     def pixel_multiple(self) -> int:
         """Bucket sides must be multiples of this many pixels (VAE factor x patch size)."""
 
-    @abstractmethod
     def vae_dir(self) -> Path:
         """The diffusers component directory whose weights make the latents."""
+        return self.model_dir / "vae"
+
+    def vae_class(self) -> type[nn.Module]:
+        """The diffusers class of the VAE: AutoencoderKL unless the family says otherwise."""
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL
 
     @abstractmethod
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         """(text encoder dirs, tokenizer dirs) by component name; their hashes key the text entries."""
 
-    @abstractmethod
     def load_vae(self, device: torch.device) -> nn.Module:
         """The frozen VAE, in eval mode, on `device`."""
+        from diffusion_pipe.models.common import load_component
+
+        return load_component(self.vae_class(), self.vae_dir(), self.dtype, device)
 
     @abstractmethod
     def load_text_encoders(self, device: torch.device) -> object:

@@ -149,18 +149,10 @@ class SDXLAdapter(Adapter):
         # The UNet halves the latent once per down block but the last: sides must survive that exactly.
         return self.vae_scale * 2 ** (len(self._config("unet")["down_block_types"]) - 1)
 
-    def vae_dir(self) -> Path:
-        return self.model_dir / "vae"
-
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         d = self.model_dir
         return ({"text_encoder": d / "text_encoder", "text_encoder_2": d / "text_encoder_2"},
                 {"tokenizer": d / "tokenizer", "tokenizer_2": d / "tokenizer_2"})
-
-    def load_vae(self, device: torch.device) -> nn.Module:
-        from diffusers import AutoencoderKL
-
-        return load_component(AutoencoderKL, self.vae_dir(), self.dtype, device)
 
     def load_text_encoders(self, device: torch.device) -> SDXLTextEncoders:
         from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection

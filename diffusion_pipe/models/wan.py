@@ -127,16 +127,13 @@ class WanAdapter(Adapter):
     def pixel_multiple(self) -> int:
         return self.vae_scale * self._config(self._transformer_component())["patch_size"][1]
 
-    def vae_dir(self) -> Path:
-        return self.model_dir / "vae"
-
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 
-    def load_vae(self, device: torch.device) -> nn.Module:
+    def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLWan
 
-        return load_component(AutoencoderKLWan, self.vae_dir(), self.dtype, device)
+        return AutoencoderKLWan
 
     def load_text_encoders(self, device: torch.device) -> WanTextEncoder:
         from transformers import AutoTokenizer, UMT5EncoderModel
