@@ -101,22 +101,39 @@ def test_exported_lora_loads_in_diffusers_and_changes_output(pipeline):
     assert set(lineage["dvc_lock"]) >= {"scan", "encode", "train"}
 
 
+def train_losses(repo: Path, store: Path, params: str, nproc: int, out: Path) -> list[float]:
+    """Run the train stage on `nproc` CPU processes (gloo) and return its loss per step."""
+    launch = [sys.executable, "-m", "stages.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+        "-m", "stages.train"]
+    subprocess.run([*launch, "--params", params, "--out", str(out), "--report", str(out / "r.json"),
+                    "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs")], cwd=repo,
+                   env=run_env(store), check=True, capture_output=True, timeout=600)
+    with open(out / "loss.csv") as fh:
+        return [float(r["loss"]) for r in csv.DictReader(fh)]
+
+
+def layout_params(repo: Path, name: str, stages: int, steps: int) -> str:
+    text = (repo / "params.yaml").read_text().replace("steps: 60", f"steps: {steps}")
+    (repo / name).write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}"))
+    return name
+
+
 def test_two_pipeline_stages_match_one(pipeline, tmp_path):
     """A 2-stage run on two CPU processes (gloo) gives the same losses as the 1-stage run."""
     repo, store, _ = pipeline
-    params = repo / "params.yaml"
-    text = params.read_text().replace("steps: 60", "steps: 5")
-    (repo / "p1.yaml").write_text(text)
-    (repo / "p2.yaml").write_text(text.replace("pipeline_stages: 1", "pipeline_stages: 2"))
-    losses = {}
-    for name, launch in (("p1", [sys.executable, "-m", "stages.train"]),
-                         ("p2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 f"--master_port={free_port()}", "-m", "stages.train"])):
-        out = tmp_path / name
-        subprocess.run([*launch, "--params", f"{name}.yaml", "--out", str(out), "--report", str(out / "r.json"),
-                        "--loss-plot", str(out / "loss.csv")], cwd=repo, env=run_env(store), check=True,
-                       capture_output=True, timeout=300)
-        with open(out / "loss.csv") as fh:
-            losses[name] = [float(r["loss"]) for r in csv.DictReader(fh)]
-    assert len(losses["p1"]) == 5
-    assert losses["p1"] == pytest.approx(losses["p2"], abs=1e-5)
+    one = train_losses(repo, store, layout_params(repo, "p1.yaml", 1, 5), 1, tmp_path / "p1")
+    two = train_losses(repo, store, layout_params(repo, "p2.yaml", 2, 5), 2, tmp_path / "p2")
+    assert len(one) == 5
+    assert one == pytest.approx(two, abs=1e-5)
+
+
+def test_pipeline_times_data_parallel(pipeline, tmp_path):
+    """2 stages x 2 data-parallel replicas (4 processes) match 1 stage x 2 replicas: the same global batches,
+    the same losses; and differ from one replica alone, which sees half the data per step."""
+    repo, store, _ = pipeline
+    dp = train_losses(repo, store, layout_params(repo, "dp.yaml", 1, 3), 2, tmp_path / "dp")
+    pp_dp = train_losses(repo, store, layout_params(repo, "ppdp.yaml", 2, 3), 4, tmp_path / "ppdp")
+    single = train_losses(repo, store, layout_params(repo, "single.yaml", 1, 3), 1, tmp_path / "single")
+    assert dp == pytest.approx(pp_dp, abs=1e-5)
+    assert dp != pytest.approx(single, abs=1e-5)
