@@ -557,6 +557,13 @@ class Store:
         now = time.time()
         leases = live_leases(self.root, now)
         report.live_leases = len(leases)
+        if not dry_run:  # lease files of writers that died without releasing them (SIGKILL, power loss)
+            live = {lease["file"] for lease in leases}
+            with contextlib.suppress(FileNotFoundError):
+                for entry in list(os.scandir(self.root / "leases")):
+                    if entry.name not in live and now - entry.stat().st_mtime > LEASE_TTL_S:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
         # Files written since the oldest running writer started may belong to it (packs it published but has not
         # yet recorded in an encoded table, temp files it is writing): spared whatever the grace period.
         protect_from = min((float(lease["started"]) for lease in leases), default=float("inf")) - _LEASE_SLACK_S

@@ -170,3 +170,18 @@ def test_parse_duration_rejects_junk() -> None:
 
     with pytest.raises(click.BadParameter, match="30m, 24h, 7d"):
         parse_duration("a week")
+
+
+def test_gc_ignores_and_removes_leases_of_dead_writers(tmp_path: Path) -> None:
+    from diffusion_pipe.store.store import LEASE_TTL_S
+
+    store = Store(tmp_path / "store")
+    dead = store.root / "leases" / "host-1-dead.json"
+    dead.parent.mkdir(parents=True)
+    dead.write_text('{"purpose": "encode", "pid": 1, "host": "host", "started": 0}')
+    stale = time.time() - LEASE_TTL_S - 10
+    os.utime(dead, (stale, stale))
+    _pack(store, "latent", ["x1"], old=False)
+    report = store.gc(set(), 0)
+    assert report.live_leases == 0 and len(report.deleted_packs) == 1
+    assert not dead.exists()
