@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,30 +14,9 @@ import torch
 from diffusion_pipe.train.pipeline import free_port
 
 from tests.conftest import make_pipeline_repo, run_env
+from tests.encode.helpers import reproduce
 
 FAST = {"steps: 120": "steps: 60", "eval_every_steps: 40": "eval_every_steps: 0"}
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str], cwd: Path):
-    saved, old_cwd = dict(os.environ), Path.cwd()
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    try:
-        yield
-    finally:
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def repro(repo: Path, store: Path) -> list[str]:
-    """`dvc repro` through DVC's Python API; returns the names of the stages that ran."""
-    from dvc.repo import Repo
-
-    with environment(run_env(store), repo), Repo(str(repo)) as dvc:
-        return [stage.addressing for stage in dvc.reproduce()]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +24,7 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, FAST)
-    ran = repro(repo, store)
+    ran = reproduce(repo, store)
     return repo, store, ran
 
 
@@ -66,14 +43,14 @@ def test_first_repro_runs_every_stage_and_learns(pipeline):
 
 def test_second_repro_runs_nothing(pipeline):
     repo, store, _ = pipeline
-    assert repro(repo, store) == []
+    assert reproduce(repo, store) == []
 
 
 def test_learning_rate_edit_reruns_only_train_and_export(pipeline):
     repo, store, _ = pipeline
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e-3"))
-    assert repro(repo, store) == ["train", "export"]
+    assert reproduce(repo, store) == ["train", "export"]
 
 
 def test_exported_lora_loads_in_diffusers_and_changes_output(pipeline):
