@@ -26,7 +26,7 @@ from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
-from diffusion_pipe.train.data import MicroBatches, check_entries, eval_batches, read_rows
+from diffusion_pipe.train.data import DataError, MicroBatches, check_entries, eval_batches, read_rows
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
@@ -66,6 +66,31 @@ def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
     }
 
 
+def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
+                 world: int) -> dict:
+    """What defines a run; its hash names the run's checkpoint directory."""
+    return {"model": to_dict(model), "train": to_dict(train), "encoded": hash_file(encoded_path),
+            "text_max_length": text_max_length, "layout": {"processes": world,
+                                                           "pipeline_stages": train.pipeline_stages}}
+
+
+def check_resumable(source: Path, identity: dict, force: bool) -> None:
+    """Refuse to continue the run in `source` when its data, model or parallel layout differ from this run's
+    (a UserError naming each difference), unless `force`; train params may differ (that is the point)."""
+    if _latest_step(source) is None:
+        raise DataError(f"--resume-from {source}: no checkpoint there (no 'latest' file); give a directory "
+                        "under runs/checkpoints/")
+    theirs = json.loads((source / "identity.json").read_text()) if (source / "identity.json").is_file() else {}
+    changes = [f"{name} ({theirs.get(key)!r} -> {identity[key]!r})" if key != "encoded" else
+               f"{name} (hash {theirs.get(key)} -> {identity[key]})"
+               for key, name in (("encoded", "the encoded table"), ("model", "the model"),
+                                 ("layout", "the parallel layout"))
+               if theirs.get(key) != identity[key]]
+    if changes and not force:
+        raise DataError(f"--resume-from {source}: refusing to resume, since " + "; ".join(changes)
+                        + " changed; pass --force to resume anyway")
+
+
 def _latest_step(checkpoint_dir: Path) -> int | None:
     latest = checkpoint_dir / "latest"
     return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else None
@@ -73,9 +98,12 @@ def _latest_step(checkpoint_dir: Path) -> int | None:
 
 def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, encoded_path: Path, out_dir: Path,
                report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store,
-               lineage_params: Params | None = None) -> dict:
+               lineage_params: Params | None = None, resume_from: Path | None = None,
+               force: bool = False) -> dict:
     """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
-    With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record."""
+    With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
+    An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
+    checkpoints, refused when its encoded table, model or parallel layout differ unless `force`."""
     import deepspeed
 
     dist = init_distributed(train.device)
@@ -112,15 +140,21 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     dp_rank = engine.grid.get_data_parallel_rank()
     is_reporter = dist.rank == 0
 
-    run_id = hash_json({"model": to_dict(model), "train": to_dict(train), "encoded": hash_file(encoded_path),
-                        "text_max_length": encode.text_max_length, "world": dist.world})[:16]
+    identity = run_identity(model, train, encoded_path, encode.text_max_length, dist.world)
+    run_id = hash_json(identity)[:16]
     checkpoint_dir = runs_root / "checkpoints" / run_id
     state = {"step": 0, "position": 0, "losses": [], "evals": []}
     resumed_from = _latest_step(checkpoint_dir)
+    source = checkpoint_dir
+    if resumed_from is None and resume_from is not None:
+        check_resumable(resume_from, identity, force)
+        source, resumed_from = resume_from, _latest_step(resume_from)
     if resumed_from is not None:
-        _, client = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
+        _, client = engine.load_checkpoint(str(source), load_module_strict=False)
         state = client["state"]
         torch.set_rng_state(client["torch_rng"])
+    if dist.rank == 0:
+        write_json_atomic(checkpoint_dir / "identity.json", identity)
 
     loader = MicroBatches(train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed,
                           dp_rank=dp_rank, dp_world=dp_world, timestep_sampling=train.timestep_sampling,

@@ -73,3 +73,22 @@ def test_resumed_run_matches_uninterrupted(encoded_repo, whole, tmp_path, sig):
     assert report["resumed_from"] is not None and 0 < report["resumed_from"] < STEPS
     assert losses(broken) == losses(whole)
     assert (broken / "out" / "lora.safetensors").read_bytes() == (whole / "out" / "lora.safetensors").read_bytes()
+
+
+def test_resume_from_another_run_refuses_changed_data_unless_forced(encoded_repo, whole, tmp_path):
+    import pyarrow.parquet as pq
+
+    repo, store = encoded_repo
+    table = pq.read_table(repo / "data/encoded.parquet")
+    changed = tmp_path / "encoded.parquet"
+    pq.write_table(table.slice(1), changed)  # one sample fewer: another encoded table
+    source = next((whole / "checkpoints").iterdir())
+    runs = tmp_path / "next"
+    cmd = [*train_cmd(runs), "--encoded", str(changed), "--resume-from", str(source)]
+    refused = subprocess.run(cmd, cwd=repo, env=run_env(store), capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "refusing to resume, since the encoded table (hash" in refused.stderr
+    assert "pass --force" in refused.stderr
+    subprocess.run([*cmd, "--force"], cwd=repo, env=run_env(store), check=True, capture_output=True)
+    report = json.loads((runs / "report.json").read_text())
+    assert report["resumed_from"] == STEPS
