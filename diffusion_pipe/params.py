@@ -22,6 +22,7 @@ class ModelParams:
     family: str = "flux"
     path: str = ""  # a local diffusers directory (relative to the repo root) or a hub id
     dtype: Dtype = "bfloat16"  # dtype of the frozen base weights and of the encoders
+    expert: str = ""  # mixture-of-experts models (Wan 2.2): which expert to train, "high" or "low"
 
     def __post_init__(self) -> None:
         if not self.path:

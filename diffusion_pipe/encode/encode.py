@@ -82,7 +82,8 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
 
 def load_adapter(model: ModelParams) -> Adapter:
     """The family's adapter over the resolved model directory."""
-    return adapter_class(model.family)(resolve_model_dir(model.path), DTYPES[model.dtype])
+    return adapter_class(model.family)(resolve_model_dir(model.path), DTYPES[model.dtype],
+                                       expert=model.expert or None)
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:

@@ -49,9 +49,18 @@ class Adapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+    experts: ClassVar[tuple[str, ...]] = ()  # values `model.expert` may take (Wan 2.2: "high", "low")
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
+        if expert and expert not in self.experts:
+            from diffusion_pipe.config import ConfigError
+
+            choices = f"one of {', '.join(self.experts)}" if self.experts else "empty: it has no experts"
+            raise ConfigError(f"model.expert: {expert!r} is not an expert of family '{self.name}'; "
+                              f"set it to {choices}")
         self.model_dir = model_dir
         self.dtype = dtype
+        self.expert = expert or None
 
     # ---- encode side -------------------------------------------------------------------------------
     @property

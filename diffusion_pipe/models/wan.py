@@ -105,11 +105,7 @@ class WanAdapter(Adapter):
         media=("image", "video"), tasks=("t2v",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
-        super().__init__(model_dir, dtype)
-        if expert is not None and expert not in EXPERTS:
-            raise ValueError(f"Wan expert {expert!r}: expected one of {', '.join(EXPERTS)}")
-        self.expert = expert
+    experts: ClassVar[tuple[str, ...]] = tuple(EXPERTS)
 
     def _config(self, component: str) -> dict:
         return json.loads((self.model_dir / component / "config.json").read_text())
