@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PIPELINE_FILES = ("dvc.yaml", "params.yaml", "stages", "diffusion_pipe", "examples/flux-tiny")
+PIPELINE_FILES = ("dvc.yaml", "params.yaml", "stages", "diffusion_pipe", "examples/flux-tiny", "examples/sdxl-tiny",
+                  "examples/wan-tiny")
 
 
 def run_env(store: Path) -> dict[str, str]:

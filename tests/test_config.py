@@ -85,3 +85,17 @@ def test_params_are_frozen(tmp_path):
 def test_shipped_example_params_load(path):
     params = load_params(path)
     assert params.scan.datasets
+
+
+@pytest.mark.parametrize("example", ["flux-tiny", "sdxl-tiny", "wan-tiny"])
+def test_each_bundled_example_runs_by_copying_its_params(example):
+    """Switching examples is a params-only change: every path an example's params point at is a dep of the
+    stages that read it in the repository's dvc.yaml."""
+    from diffusion_pipe.cli_support import _PARAM_PATHS
+    from diffusion_pipe.dvcfile import require_deps
+
+    root = Path(__file__).parents[1]
+    params = load_params(root / "examples" / example / "params.yaml") if example != "flux-tiny" else \
+        load_params(root / "params.yaml")
+    for stage, (param, paths) in _PARAM_PATHS.items():
+        require_deps(root / "dvc.yaml", stage, paths(params), param)
