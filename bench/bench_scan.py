@@ -6,7 +6,7 @@
 Each image is a photo-like JPEG (smooth colours plus grain, 512x512 and about 68 KB by default) or a PNG, with a
 caption; `--size 64` gives thumbnails whose decode is so cheap that the rescan's fixed per-file cost (walk,
 stat, rows) dominates the ratio. Ratios are first-scan time / rescan time. Hashing compares the scan's
-large-file hash (`media.hash_large_file`: mmap of the page cache, the file was just written) with
+large-file hash (`hashing.hash_file`: mmap of the page cache, the file was just written) with
 `xxhash.xxh3_128` over the same bytes already in memory, in the same run (best of 3 each).
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusion_pipe.params import DatasetParams, ScanParams  # noqa: E402
 from diffusion_pipe.scan import scan_to_files  # noqa: E402
-from diffusion_pipe.scan.media import hash_large_file  # noqa: E402
+from diffusion_pipe.hashing import hash_file  # noqa: E402
 
 
 def make_images(root: Path, n: int, size: int = 512, fmt: str = "jpg", seed: int = 0) -> None:
@@ -61,11 +61,11 @@ def bench_hash(mib: int, tmp: Path) -> tuple[float, float]:
     data = os.urandom(mib << 20)
     path = tmp / "big.bin"
     path.write_bytes(data)
-    hash_large_file(str(path))  # warm-up: the file is in the page cache for both runs
+    hash_file(path)  # warm-up: the file is in the page cache for both runs
     best_file = best_mem = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        h_file = hash_large_file(str(path))
+        h_file = hash_file(path)
         best_file = min(best_file, time.perf_counter() - start)
         start = time.perf_counter()
         h_mem = xxhash.xxh3_128(data).hexdigest()

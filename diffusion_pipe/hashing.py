@@ -17,14 +17,27 @@ def hash_bytes(data: bytes) -> str:
 
 
 def hash_file(path: str | Path) -> str:
-    """xxh3-128 of a file's bytes, as 32 hex digits, streamed in 8 MiB chunks."""
-    h = xxhash.xxh3_128()
+    """xxh3-128 of a file's bytes, as 32 hex digits.
+
+    Hashed through mmap, so the page cache is read in place: about 100% of in-memory xxh3 speed here, against
+    60% for chunked reads, which pay a copy into the read buffer (BENCHMARKS.md, Scan). Falls back to 8 MiB
+    chunked reads where a file cannot be mapped (empty files, some filesystems).
+    """
+    import mmap
+
     with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := fh.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+        try:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            h = xxhash.xxh3_128()
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := fh.readinto(buf):
+                h.update(view[:n])
+            return h.hexdigest()
+        with mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return xxhash.xxh3_128(mapped).hexdigest()
 
 
 def canonical_json(obj: Any) -> str:
