@@ -6,6 +6,7 @@ those keys, so editing one key re-runs only the stages that read it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -43,6 +44,14 @@ class DatasetParams:
     default_caption: str = ""
     caption_prefix: str = ""
     eval_fraction: float = 0.0
+
+    @property
+    def manifest_name(self) -> str:
+        """The dataset's name in the manifest: `name`, else the base name of its directory ('.' resolved)."""
+        if self.name:
+            return self.name
+        base = os.path.basename(os.path.normpath(self.path))
+        return base if base not in ("", ".", "..") else os.path.basename(os.path.abspath(self.path))
 
     def __post_init__(self) -> None:
         if self.repeats < 1:

@@ -99,3 +99,13 @@ def test_each_bundled_example_runs_by_copying_its_params(example):
         load_params(root / "params.yaml")
     for stage, (param, paths) in _PARAM_PATHS.items():
         require_deps(root / "dvc.yaml", stage, paths(params), param)
+
+
+def test_dataset_manifest_name_is_one_rule_for_scan_and_encode(tmp_path, monkeypatch):
+    from diffusion_pipe.params import DatasetParams
+
+    assert DatasetParams(path="data/photos/").manifest_name == "photos"
+    assert DatasetParams(path="x", name="mine").manifest_name == "mine"
+    (tmp_path / "shoot").mkdir()
+    monkeypatch.chdir(tmp_path / "shoot")
+    assert DatasetParams(path=".").manifest_name == "shoot"  # the directory's own name, never ""

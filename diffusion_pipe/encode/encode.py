@@ -293,7 +293,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     manifest = pq.read_table(manifest_path)
     adapter = load_adapter(model)
     samples = plan_samples(manifest, adapter, model, encode)
-    roots = {_dataset_name(d.name, d.path): Path(d.path) for d in scan.datasets}
+    roots = {d.manifest_name: Path(d.path) for d in scan.datasets}
     device = pick_device(encode.device, workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
 
@@ -362,6 +362,3 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     write_json_atomic(report_path, report)
     print(f"encode: {len(samples)} samples; {summary}", file=sys.stderr)
     return report
-
-def _dataset_name(name: str, path: str) -> str:
-    return name or Path(path).name

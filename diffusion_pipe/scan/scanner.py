@@ -27,21 +27,13 @@ _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small eno
 _SHOWN = 5  # paths named in a ScanError
 
 
-def dataset_name(path: str, name: str) -> str:
-    """The manifest's name of a dataset: its `name`, else the base name of its directory."""
-    if name:
-        return name
-    base = os.path.basename(os.path.normpath(path))
-    return base if base not in ("", ".", "..") else os.path.basename(os.path.abspath(path))
-
-
 def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
     """Check every dataset directory exists and names are unique; compute each one's bucket layouts."""
     specs: list[DatasetSpec] = []
     seen: dict[str, int] = {}
     for i, ds in enumerate(params.datasets):
         where = f"scan.datasets[{i}]"
-        name = dataset_name(ds.path, ds.name)
+        name = ds.manifest_name
         if name in seen:
             raise ConfigError(
                 f"{where}: dataset name {name!r} is already used by scan.datasets[{seen[name]}]; "
