@@ -15,14 +15,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def ensure_grad(x: torch.Tensor) -> torch.Tensor:
-    """A float tensor sent between pipeline stages must require grad; one computed only from frozen weights
-    (time embedding, rotary tables) is detached and marked, which changes no gradient that exists."""
-    if x.is_floating_point() and not x.requires_grad:
-        return x.detach().requires_grad_()
-    return x
-
-
 def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """`cls.from_pretrained(directory)` frozen, in eval mode, in `dtype` on `device`: a clear error if absent."""
     if not (directory / "config.json").is_file():

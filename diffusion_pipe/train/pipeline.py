@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffusion_pipe.models.common import ensure_grad
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,14 @@ def pipeline_stage(rank: int, num_stages: int, dp_world: int) -> int:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     return PipeDataParallelTopology(num_pp=num_stages, num_dp=dp_world).get_coord(rank).pipe
+
+
+def ensure_grad(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor sent between pipeline stages must require grad; one computed only from frozen weights
+    (time embedding, rotary tables) is detached and marked, which changes no gradient that exists."""
+    if x.is_floating_point() and not x.requires_grad:
+        return x.detach().requires_grad_()
+    return x
 
 
 class StageBoundary(nn.Module):
