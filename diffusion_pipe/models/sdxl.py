@@ -60,44 +60,38 @@ class UNetEmbed(nn.Module):
         return sample, emb, context, sample
 
 
-class UNetDown(nn.Module):
-    """One down block: consumes (sample, emb, context, *residuals), appends its own residuals."""
+class _UNetBlock(nn.Module):
+    """A UNet block as a pipeline layer; `run` passes the text context only to blocks with cross-attention."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
 
+    def run(self, sample: torch.Tensor, emb: torch.Tensor, context: torch.Tensor, **kwargs):
+        if getattr(self.block, "has_cross_attention", False):
+            kwargs["encoder_hidden_states"] = context
+        return self.block(hidden_states=sample, temb=emb, **kwargs)
+
+
+class UNetDown(_UNetBlock):
+    """One down block: consumes (sample, emb, context, *residuals), appends its own residuals."""
+
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sample, emb, context, *residuals = inputs
-        if getattr(self.block, "has_cross_attention", False):
-            sample, res = self.block(hidden_states=sample, temb=emb, encoder_hidden_states=context)
-        else:
-            sample, res = self.block(hidden_states=sample, temb=emb)
+        sample, res = self.run(sample, emb, context)
         return (sample, emb, context, *residuals, *res)
 
 
-class UNetMid(nn.Module):
+class UNetMid(_UNetBlock):
     """The mid block; residuals pass through untouched."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sample, emb, context, *residuals = inputs
-        if getattr(self.block, "has_cross_attention", False):
-            sample = self.block(sample, emb, encoder_hidden_states=context)
-        else:
-            sample = self.block(sample, emb)
-        return (sample, emb, context, *residuals)
+        return (self.run(sample, emb, context), emb, context, *residuals)
 
 
-class UNetUp(nn.Module):
+class UNetUp(_UNetBlock):
     """One up block: consumes as many residuals (from the end) as it has resnets."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sample, emb, context, *residuals = inputs
@@ -105,11 +99,7 @@ class UNetUp(nn.Module):
         res, residuals = tuple(residuals[-n:]), residuals[:-n]
         # Bucket sides are multiples of the UNet's total downsampling (pixel_multiple), so diffusers'
         # `upsample_size` is never needed.
-        if getattr(self.block, "has_cross_attention", False):
-            sample = self.block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res,
-                                encoder_hidden_states=context)
-        else:
-            sample = self.block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res)
+        sample = self.run(sample, emb, context, res_hidden_states_tuple=res)
         return (sample, emb, context, *residuals)
 
 
