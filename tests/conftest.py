@@ -50,3 +50,13 @@ def store_env(tmp_path, monkeypatch) -> Path:
     store = tmp_path / "store"
     monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(store))
     return store
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Flux model (seed 0) in diffusers format, built once; tests must not modify it."""
+    from diffusion_pipe.models.flux import FluxAdapter
+
+    out = tmp_path_factory.mktemp("tiny-flux")
+    FluxAdapter.build_tiny(out, seed=0)
+    return out

@@ -15,10 +15,8 @@ INNER, MLP = 32, 128  # the tiny model's widths: 2 heads x 16, mlp_ratio 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> FluxAdapter:
-    root = tmp_path_factory.mktemp("flux")
-    FluxAdapter.build_tiny(root)
-    return FluxAdapter(root, torch.float32)
+def tiny(tiny_flux_dir) -> FluxAdapter:
+    return FluxAdapter(tiny_flux_dir, torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,8 @@ RANK, ALPHA = 4, 12.0  # alpha != rank: the folded scale must be right
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> FluxAdapter:
-    root = tmp_path_factory.mktemp("flux")
-    FluxAdapter.build_tiny(root)
-    return FluxAdapter(root, torch.float32)
+def tiny(tiny_flux_dir) -> FluxAdapter:
+    return FluxAdapter(tiny_flux_dir, torch.float32)
 
 
 @pytest.fixture(scope="module")

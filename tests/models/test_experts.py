@@ -7,15 +7,13 @@ import pytest
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.encode import load_adapter
-from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.models.wan import WanAdapter
 from diffusion_pipe.params import ModelParams
 
 
-def test_family_without_experts_refuses_one(tmp_path):
-    FluxAdapter.build_tiny(tmp_path, seed=0)
+def test_family_without_experts_refuses_one(tiny_flux_dir):
     with pytest.raises(ConfigError, match=r"model.expert: 'high' is not an expert of family 'flux'; set it to empty"):
-        load_adapter(ModelParams(family="flux", path=str(tmp_path), dtype="float32", expert="high"))
+        load_adapter(ModelParams(family="flux", path=str(tiny_flux_dir), dtype="float32", expert="high"))
 
 
 def test_wan22_expert_is_selected_from_params(tmp_path):

@@ -8,10 +8,8 @@ from diffusion_pipe.train.build import build_local_model, stage_bounds
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("flux")
-    FluxAdapter.build_tiny(out, seed=0)
-    return out
+def model_dir(tiny_flux_dir):
+    return tiny_flux_dir
 
 
 def build(model_dir, dtype, stages, stage):

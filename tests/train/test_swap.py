@@ -7,9 +7,8 @@ from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.swap import SwappedLayer, apply_block_swap
 
 
-def test_swapped_layers_give_same_outputs_and_grads(tmp_path):
-    FluxAdapter.build_tiny(tmp_path, seed=0)
-    adapter = FluxAdapter(tmp_path, torch.float32)
+def test_swapped_layers_give_same_outputs_and_grads(tiny_flux_dir):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
     local = build_local_model(adapter, 1, 0, targets=adapter.default_lora_targets, rank=4, alpha=4.0,
                               dropout=0.0, seed=0)
     for name, p in local.denoiser.named_parameters():
