@@ -109,3 +109,12 @@ def test_dataset_manifest_name_is_one_rule_for_scan_and_encode(tmp_path, monkeyp
     (tmp_path / "shoot").mkdir()
     monkeypatch.chdir(tmp_path / "shoot")
     assert DatasetParams(path=".").manifest_name == "shoot"  # the directory's own name, never ""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_names_the_param():
+    from diffusion_pipe.models.common import resolve_device
+
+    assert resolve_device("auto", "train.device").type == "cpu"
+    with pytest.raises(ConfigError, match=r"train.device: 'cuda' asked for but no CUDA GPU is visible"):
+        resolve_device("cuda", "train.device")

@@ -30,7 +30,7 @@ from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import adapter_class
 from diffusion_pipe.models.base import Adapter
-from diffusion_pipe.models.common import DTYPES, dtype_name, resolve_model_dir
+from diffusion_pipe.models.common import DTYPES, dtype_name, resolve_device, resolve_model_dir
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
@@ -66,18 +66,6 @@ class Sample:
     @property
     def sample_id(self) -> str:
         return f"{self.dataset}/{self.path}@{self.bucket}"
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error naming the param. Under a
-    launcher, worker `local_rank` takes GPU `local_rank` of its machine."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("encode.device: 'cuda' asked for but no CUDA GPU is visible; set it to 'auto' or 'cpu'")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(name)
 
 
 def load_adapter(model: ModelParams) -> Adapter:
@@ -294,7 +282,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     adapter = load_adapter(model)
     samples = plan_samples(manifest, adapter, model, encode)
     roots = {d.manifest_name: Path(d.path) for d in scan.datasets}
-    device = pick_device(encode.device, workers.local_rank)
+    device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
 
     first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key

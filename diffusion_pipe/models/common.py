@@ -10,6 +10,20 @@ from torch import nn
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str, param: str, local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error naming `param`. Under a
+    launcher, worker `local_rank` takes GPU `local_rank` of its machine."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            from diffusion_pipe.config import ConfigError
+
+            raise ConfigError(f"{param}: 'cuda' asked for but no CUDA GPU is visible; set it to 'auto' or 'cpu'")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'float32' for torch.float32, and so on."""
     return str(dtype).removeprefix("torch.")

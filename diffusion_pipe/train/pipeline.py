@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffusion_pipe.models.common import resolve_device
+
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ def free_port() -> int:
 
 def init_distributed(device_name: str) -> Dist:
     """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU."""
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device_name, "train.device").type == "cuda"
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # a plain `python -m stages.train`: a world of one
