@@ -154,12 +154,13 @@ def main() -> None:
 
     import torch
 
-    from diffusion_pipe.encode.encode import encode_manifest, load_adapter, pick_device
+    from diffusion_pipe.encode.encode import encode_manifest, load_adapter
+    from diffusion_pipe.models.common import resolve_device
     from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
     from diffusion_pipe.scan import scan_to_files
     from diffusion_pipe.store import Store
 
-    device = pick_device("cpu" if args.tiny else "auto")
+    device = resolve_device("cpu" if args.tiny else "auto", "--tiny")
     dtype = "float32" if args.tiny else "bfloat16"
     tmp = Path(tempfile.mkdtemp(prefix="bench-encode-", dir=args.tmp))
     os.environ["DIFFUSION_PIPE_STORE"] = str(tmp / "store")  # the weights hash cache goes there too

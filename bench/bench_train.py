@@ -187,12 +187,14 @@ def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_la
 
             cuda = dev.type == "cuda"
             with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-                step()
-                if cuda:
-                    torch.cuda.synchronize()
+                with torch.profiler.record_function(f"train.step{i}"):
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize()
             sort = "cuda_time_total" if cuda else "cpu_time_total"
             profile.write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
                                             for key in (sort, "self_cpu_time_total")))
+            prof.export_chrome_trace(f"{profile}.trace.json")
         else:
             step()
         if dev.type == "cuda":
@@ -230,6 +232,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--no-plain", action="store_true", help="run ours only")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write torch.profiler tables of both runners into this directory")
     args = parser.parse_args()
@@ -250,7 +253,7 @@ def main() -> None:
         write_params(params, model_dir, shape, args.steps, args.device, spec)
         prof = (lambda name: args.profile / f"{variant}-{name}.txt") if args.profile else (lambda name: None)
         results[variant] = {"params": {k: v for k, v in spec.items() if k != "plain"}}
-        if spec["plain"]:
+        if spec["plain"] and not args.no_plain:
             plain = plain_loop(model_dir, shape, args.steps, args.device, spec.get("compile", False),
                                count_flops=results.get("flops_per_step") is None, profile=prof("plain"))
             flops = plain.pop("flops_per_step")
@@ -270,7 +273,7 @@ def main() -> None:
                 continue
             r = results[variant][runner]
             mfu = (results["flops_per_step"] / r["step_seconds"] / results["peak_flops"]
-                   if results["peak_flops"] else None)
+                   if results["peak_flops"] and results.get("flops_per_step") else None)
             print(f"{variant:<14} {runner:<6} {r['step_seconds']:>8.3f} "
                   f"{(eager / r['step_seconds']) if eager else float('nan'):>14.2f} "
                   f"{(f'{mfu:.0%}' if mfu else '-'):>6} {r['max_memory_gb'] or '-':>8}")

@@ -36,7 +36,8 @@ def test_first_repro_runs_every_stage_and_learns(pipeline):
     assert report["eval_loss_end"] < report["eval_loss_start"]
     assert report["eval_loss_improved"] is True
     with open(repo / "reports/train_loss.csv") as fh:
-        assert len(list(csv.DictReader(fh))) == 60
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 60 and all(float(r["grad_norm"]) > 0 for r in rows)
     encode = json.loads((repo / "reports/encode.json").read_text())
     assert encode["latent"]["computed"] == 36 and encode["text"]["computed"] == 36
 
@@ -86,23 +87,32 @@ def train_losses(repo: Path, store: Path, params: str, nproc: int, out: Path) ->
     subprocess.run([*launch, "--params", params, "--out", str(out), "--report", str(out / "r.json"),
                     "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs")], cwd=repo,
                    env=run_env(store), check=True, capture_output=True, timeout=600)
+    return loss_plot(out, "loss")
+
+
+def loss_plot(out: Path, column: str) -> list[float]:
+    """One column of the loss plot a `train_losses` run wrote, per step."""
     with open(out / "loss.csv") as fh:
-        return [float(r["loss"]) for r in csv.DictReader(fh)]
+        return [float(r[column]) for r in csv.DictReader(fh)]
 
 
 def layout_params(repo: Path, name: str, stages: int, steps: int) -> str:
     text = (repo / "params.yaml").read_text().replace("steps: 60", f"steps: {steps}")
-    (repo / name).write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}"))
+    # a tight clipping norm, so every step clips and the norm must span both stages' gradients to match
+    (repo / name).write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}\n  max_grad_norm: 0.01"))
     return name
 
 
 def test_two_pipeline_stages_match_one(pipeline, tmp_path):
-    """A 2-stage run on two CPU processes (gloo) gives the same losses as the 1-stage run."""
+    """A 2-stage run on two CPU processes (gloo) gives the same losses as the 1-stage run, and the same gradient
+    norms: the norm that clipping uses spans both stages' LoRA weights."""
     repo, store, _ = pipeline
     one = train_losses(repo, store, layout_params(repo, "p1.yaml", 1, 5), 1, tmp_path / "p1")
     two = train_losses(repo, store, layout_params(repo, "p2.yaml", 2, 5), 2, tmp_path / "p2")
     assert len(one) == 5
     assert one == pytest.approx(two, abs=1e-5)
+    assert loss_plot(tmp_path / "p1", "grad_norm") == pytest.approx(loss_plot(tmp_path / "p2", "grad_norm"),
+                                                                   rel=1e-4)
 
 
 def test_pipeline_times_data_parallel(pipeline, tmp_path):

@@ -7,10 +7,12 @@ without talking to each other.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import random
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow.parquet as pq
@@ -171,12 +173,56 @@ class MicroBatches:
     def __iter__(self) -> Iterator:
         return self
 
+    def at(self, position: int):
+        """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
+        generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
+                                                      16))
+        return self.make(self.indices_at(position), generator)
+
     def __next__(self):
-        generator = torch.Generator().manual_seed(
-            int(hash_json(["noise", self.seed, self.dp_rank, self.position])[:15], 16))
-        batch = self.make(self.indices_at(self.position), generator)
+        batch = self.at(self.position)
         self.position += 1
         return batch
+
+
+class Prefetcher:
+    """The micro-batches of `source`, prepared `depth` ahead in a background thread (store reads, noise, pinned
+    host memory) while the device runs the current one, and handed over on `device` by asynchronous copies.
+    `position` counts the micro-batches handed over, as `MicroBatches.position` does, so a checkpoint taken
+    between steps resumes at the first batch not yet trained on."""
+
+    def __init__(self, source: MicroBatches, device: torch.device, depth: int = 2) -> None:
+        self.source, self.device, self.depth = source, device, depth
+        self.position = source.position
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="train-data")
+        self._pending: collections.deque[Future] = collections.deque()
+
+    def _prepare(self, position: int):
+        batch = self.source.at(position)
+        return _map_tensors(batch, torch.Tensor.pin_memory) if self.device.type == "cuda" else batch
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        while len(self._pending) < self.depth:
+            self._pending.append(self._pool.submit(self._prepare, self.position + len(self._pending)))
+        batch = self._pending.popleft().result()
+        self.position += 1
+        self._pending.append(self._pool.submit(self._prepare, self.position + len(self._pending)))
+        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _map_tensors(batch, fn):
+    """`batch` (nested tuples and lists of tensors) with `fn` applied to every tensor."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map_tensors(x, fn) for x in batch)
+    return batch
 
 
 def eval_batches(rows: list[Row], loader: MicroBatches, timestep: float, seed: int) -> list:

@@ -26,11 +26,11 @@ from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
-from diffusion_pipe.train.data import DataError, MicroBatches, check_entries, eval_batches, read_rows
+from diffusion_pipe.train.data import DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
-from diffusion_pipe.train.optim import make_optimizer
+from diffusion_pipe.train.optim import MasterWeightAdamW
 from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
 
@@ -52,17 +52,20 @@ def lr_lambda(train: TrainParams):
 def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
     """The engine's config. Base and LoRA compute in `model.dtype`; fp32 master weights live in our optimizer
     (train/optim.py), so the engine runs in fp32 mode and DeepSpeed's bf16 optimizer, which keeps its masters
-    in step with per-parameter Python loops, is not used. fp16 keeps DeepSpeed's loss scaling. No "optimizer"
-    block: a torch optimizer is passed in (DeepSpeed's FusedAdam would compile)."""
+    in step with per-parameter Python loops, is not used; our optimizer clips gradients too, in foreach ops.
+    fp16 keeps DeepSpeed's loss scaling and its clipping. No "optimizer" block: a torch optimizer is passed in
+    (DeepSpeed's FusedAdam would compile). The throughput timer is off: it synchronises the device before
+    every forward pass, which stalls the data prefetch and the kernel queue."""
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * dp_world,
-        "gradient_clipping": train.max_grad_norm,
+        "gradient_clipping": train.max_grad_norm if dtype == "float16" else 0.0,
         "steps_per_print": 10**9,
         "fp16": {"enabled": dtype == "float16"},
         "zero_optimization": {"stage": 0},
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
 
 
@@ -132,18 +135,21 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
                                    train.seed, (local.start, local.stop), compile_layers=train.compile)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
-                               betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay)
+    optimizer = MasterWeightAdamW(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
+                                  betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay,
+                                  max_grad_norm=0.0 if model.dtype == "float16" else train.max_grad_norm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, model.dtype, dp_world))
+    if train.pipeline_stages > 1:  # the gradient norm spans every stage of this process's pipeline
+        optimizer.norm_group = engine.grid.get_pipe_parallel_group()
     dp_rank = engine.grid.get_data_parallel_rank()
     is_reporter = dist.rank == 0
 
     identity = run_identity(model, train, encoded_path, encode.text_max_length, dist.world)
     run_id = hash_json(identity)[:16]
     checkpoint_dir = runs_root / "checkpoints" / run_id
-    state = {"step": 0, "position": 0, "losses": [], "evals": []}
+    state = {"step": 0, "position": 0, "losses": [], "grad_norms": [], "evals": []}
     resumed_from = _latest_step(checkpoint_dir)
     source = checkpoint_dir
     if resumed_from is None and resume_from is not None:
@@ -152,13 +158,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if resumed_from is not None:
         _, client = engine.load_checkpoint(str(source), load_module_strict=False)
         state = client["state"]
+        state.setdefault("grad_norms", [None] * len(state["losses"]))  # checkpoints written before they were kept
         torch.set_rng_state(client["torch_rng"])
     if dist.rank == 0:
         write_json_atomic(checkpoint_dir / "identity.json", identity)
 
-    loader = MicroBatches(train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed,
-                          dp_rank=dp_rank, dp_world=dp_world, timestep_sampling=train.timestep_sampling,
-                          flow_shift=train.flow_shift, guidance=train.guidance, position=state["position"])
+    loader = Prefetcher(MicroBatches(
+        train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
+        dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
+        guidance=train.guidance, position=state["position"]), dist.device)
     eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
                                dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
                                guidance=train.guidance) if eval_rows else None
@@ -195,7 +203,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
     step_seconds: list[float] = []
-    profiler = _Profiler(os.environ.get("DIFFUSION_PIPE_PROFILE"), first_step=state["step"])
+    profiler = _Profiler(os.environ.get("DIFFUSION_PIPE_PROFILE"), first_step=state["step"], engine=engine)
     try:
         while state["step"] < train.steps:
             step_started = time.perf_counter()
@@ -205,6 +213,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
             state["step"] += 1
             state["position"] = loader.position
             state["losses"].append(loss)
+            grad_norm = engine.get_global_grad_norm()
+            state["grad_norms"].append(None if grad_norm is None else float(grad_norm))
             rate = samples_per_step * (state["step"] - first_step) / (time.perf_counter() - started)
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.1f}")
             bar.update(1)
@@ -212,9 +222,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                 writer.add_scalar("train/loss", loss, state["step"])
                 writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
                 writer.add_scalar("train/samples_per_s", rate, state["step"])
-                grad_norm = engine.get_global_grad_norm()
-                if grad_norm is not None:
-                    writer.add_scalar("train/grad_norm", float(grad_norm), state["step"])
+                if state["grad_norms"][-1] is not None:
+                    writer.add_scalar("train/grad_norm", state["grad_norms"][-1], state["step"])
                 if dist.device.type == "cuda":
                     writer.add_scalar("train/max_memory_gb", torch.cuda.max_memory_allocated() / 2**30,
                                       state["step"])
@@ -229,6 +238,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         raise
     finally:
         bar.close()
+        loader.close()
+        profiler.close()
     evaluate(state["step"])
     if _latest_step(checkpoint_dir) != state["step"]:
         save_checkpoint()
@@ -262,8 +273,9 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         _write_lora(out_dir / "lora.safetensors", lora, model, train, targets, run_id, lineage)
         write_json_atomic(report_path, report)
         with atomic_writer(loss_plot_path, "w") as fh:
-            fh.write("step,loss\n")
-            fh.writelines(f"{i + 1},{loss:.6f}\n" for i, loss in enumerate(state["losses"]))
+            fh.write("step,loss,grad_norm\n")
+            fh.writelines(f"{i + 1},{loss:.6f},{'' if norm is None else f'{norm:.6f}'}\n"
+                          for i, (loss, norm) in enumerate(zip(state["losses"], state["grad_norms"])))
         writer.close()
         print(f"train: done, loss {report['train_loss_first']:.4f} -> {report['train_loss_last10']:.4f} "
               f"(last 10); eval {report['eval_loss_start']} -> {report['eval_loss_end']}", file=sys.stderr)
@@ -271,11 +283,16 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
 
 class _Profiler:
-    """With DIFFUSION_PIPE_PROFILE=<file>, torch.profiler records steps 4-6 of the run (after warm-up) and
-    writes the operator table there: a profile, not a guess, when a step is slower than it should be."""
+    """With DIFFUSION_PIPE_PROFILE=<file>, torch.profiler records steps 4-6 of the run (after warm-up), writes
+    the operator table to <file> and a Chrome trace to <file>.trace.json (`python bench/trace_gaps.py` finds
+    where the device waited on the host in it), with each pipeline-engine instruction annotated: a profile, not
+    a guess, when a step is slower than it should be."""
 
-    def __init__(self, path: str | None, first_step: int) -> None:
+    def __init__(self, path: str | None, first_step: int, engine) -> None:
         self.path, self.start, self.prof = path, first_step + 3, None
+        if path:
+            engine._INSTRUCTION_MAP = {kind: _annotated(f"pipe.{kind.__name__}", fn)
+                                       for kind, fn in engine._INSTRUCTION_MAP.items()}
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -287,13 +304,28 @@ class _Profiler:
         if self.prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.prof = profile(activities=activities).__enter__()
-        yield
+        with torch.profiler.record_function(f"train.step{step}"):
+            yield
         if step == self.start + 2:
-            self.prof.__exit__(None, None, None)
-            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-            text = "\n\n".join(self.prof.key_averages().table(sort_by=key, row_limit=45)
-                                for key in (sort, "self_cpu_time_total"))
-            Path(self.path).write_text(text)
+            self.close()
+
+    def close(self) -> None:
+        """Stop recording and write the table and the trace (also when the run had fewer steps than planned)."""
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None  # steps after the window never record again
+        prof.__exit__(None, None, None)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(self.path).write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
+                                                for key in (sort, "self_cpu_time_total")))
+        prof.export_chrome_trace(f"{self.path}.trace.json")
+
+
+def _annotated(name: str, fn):
+    def run(self, *args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(self, *args, **kwargs)
+    return run
 
 
 def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:

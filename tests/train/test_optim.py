@@ -1,8 +1,9 @@
-"""fp32 master weights for bf16 parameters: updates too small for bf16 still accumulate, and state round-trips."""
+"""fp32 master weights for bf16 parameters: updates too small for bf16 still accumulate, state round-trips, and
+gradient clipping matches torch's on the same gradients."""
 
 import torch
 
-from diffusion_pipe.train.optim import MasterWeightAdamW, make_optimizer
+from diffusion_pipe.train.optim import MasterWeightAdamW
 
 
 def test_small_updates_accumulate_in_masters():
@@ -29,5 +30,30 @@ def test_state_dict_restores_masters_exactly():
     assert torch.equal(fresh.masters[0], opt.masters[0]) and torch.equal(q, p)
 
 
-def test_fp32_parameters_get_plain_adamw():
-    assert type(make_optimizer([torch.nn.Parameter(torch.ones(2))], fused=False, lr=1e-3)) is torch.optim.AdamW
+def test_fp32_parameters_are_their_own_masters():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = MasterWeightAdamW([p], lr=1e-3)
+    assert opt.masters[0] is p
+    p.grad = torch.ones(2)
+    opt.step()
+    assert p[0].item() < 1
+
+
+def test_clipping_matches_torch_and_reports_the_norm():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 4), (4, 16), (7,)]
+    grads = [torch.randn(s, generator=g) * 10 for s in shapes]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = MasterWeightAdamW(ours, lr=1e-2, max_grad_norm=0.5)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for p, q, grad in zip(ours, ref, grads):
+        p.grad, q.grad = grad.clone(), grad.clone()
+    opt.step()
+    norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    ref_opt.step()
+    assert norm > 0.5  # the clip was active
+    assert torch.allclose(opt._global_grad_norm, norm)
+    for p, q, grad in zip(ours, ref, grads):  # fp32 parameters are their own masters: clipped in place
+        assert torch.allclose(p.grad, q.grad) and not torch.allclose(p.grad, grad)
+        assert torch.allclose(p, q, atol=1e-7)
