@@ -9,19 +9,19 @@ becomes an entry with a `problem`, so it shows up in the manifest as an excluded
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS
 
 StatKey = tuple[int, int, int]  # (size, mtime_ns, inode): a file whose key is unchanged is not re-probed
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One media or caption file found under a dataset root."""
+class Entry(NamedTuple):
+    """One media or caption file found under a dataset root (a tuple: a rescan builds one per file)."""
 
     rel: str  # POSIX path relative to the dataset root
     path: str  # the path to open (root joined with rel)
@@ -40,17 +40,11 @@ class Listing:
     warnings: list[str] = field(default_factory=list)
 
 
-def _entry_kind(name: str) -> Literal["media", "caption"] | None:
-    # rpartition, not splitext: this runs once per file of a 100k-file rescan.
-    _, dot, suffix = name.rpartition(".")
-    if not dot:
-        return None
-    ext = "." + suffix.lower()
-    if ext in IMAGE_EXTS or ext in VIDEO_EXTS:
-        return "media"
-    if ext == ".txt":
-        return "caption"
-    return None
+_KINDS: dict[str, Literal["media", "caption"]] = {
+    **{ext: "media" for ext in (*IMAGE_EXTS, *VIDEO_EXTS)}, ".txt": "caption"}
+
+
+_name = operator.attrgetter("name")
 
 
 def list_dataset(root: str) -> Listing:
@@ -64,7 +58,7 @@ def list_dataset(root: str) -> Listing:
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
         try:
             with os.scandir(abs_dir) as it:
-                dir_entries = sorted(it, key=lambda e: e.name)
+                dir_entries = sorted(it, key=_name)
         except OSError as exc:
             out.warnings.append(f"directory {rel_dir or '.'!s} not readable ({exc.strerror}); skipped")
             continue
@@ -95,27 +89,34 @@ def list_dataset(root: str) -> Listing:
                 seen_dirs.add((st.st_dev, st.st_ino))
                 subdirs.append(rel)
                 continue
-            kind = _entry_kind(de.name)
+            name = de.name
+            _, dot, suffix = name.rpartition(".")  # _entry_kind, inlined: this runs for every file of a rescan
+            kind = _KINDS.get("." + suffix.lower()) if dot else None
             if kind is None:
                 out.ignored_files += 1
                 continue
-            out.entries.append(_file_entry(de, rel, kind))
+            try:
+                st = de.stat()
+            except OSError as exc:
+                out.entries.append(_problem_entry(de, rel, kind, exc))
+                continue
+            if st.st_mode & _REGULAR_MASK == stat.S_IFREG:
+                out.entries.append(Entry(rel, de.path, kind, (st.st_size, st.st_mtime_ns, st.st_ino)))
+            else:  # a FIFO or device named like a media file: opening it could block forever
+                out.entries.append(Entry(rel, de.path, kind, None, "not_regular_file", "not a regular file"))
         # Reverse so the stack pops subdirectories in name order.
         stack.extend(reversed(subdirs))
-    out.entries.sort(key=lambda e: e.rel)
+    out.entries.sort()  # by rel, the first field (unique, so the other fields are never compared)
     return out
 
 
-def _file_entry(de: os.DirEntry[str], rel: str, kind: Literal["media", "caption"]) -> Entry:
-    try:
-        st = de.stat()
-    except FileNotFoundError:
+_REGULAR_MASK = 0o170000  # stat.S_IFMT's mask
+
+
+def _problem_entry(de: os.DirEntry[str], rel: str, kind: Literal["media", "caption"], exc: OSError) -> Entry:
+    """The entry of a file that could not be stat'ed (its target missing, a symlink loop, permissions)."""
+    if isinstance(exc, FileNotFoundError):
         return Entry(rel, de.path, kind, None, "broken_symlink", "symlink target does not exist")
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return Entry(rel, de.path, kind, None, "symlink_loop", "too many levels of symbolic links")
-        return Entry(rel, de.path, kind, None, "unreadable", f"{type(exc).__name__}: {exc.strerror}")
-    if not stat.S_ISREG(st.st_mode):
-        # A FIFO or device named like a media file: opening it could block forever.
-        return Entry(rel, de.path, kind, None, "not_regular_file", "not a regular file")
-    return Entry(rel, de.path, kind, (st.st_size, st.st_mtime_ns, st.st_ino))
+    if exc.errno == errno.ELOOP:
+        return Entry(rel, de.path, kind, None, "symlink_loop", "too many levels of symbolic links")
+    return Entry(rel, de.path, kind, None, "unreadable", f"{type(exc).__name__}: {exc.strerror}")

@@ -22,9 +22,11 @@ from diffusion_pipe.scan.files import Listing, list_dataset
 from diffusion_pipe.scan.manifest import DatasetSpec, Row, build_rows, manifest_bytes
 from diffusion_pipe.scan.media import Probe, Task, probe_batch
 from diffusion_pipe.scan.report import build_report, summary_lines
+from diffusion_pipe.scan.snapshot import Snapshot, fingerprint
 
 _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
 _SHOWN = 5  # paths named in a ScanError
+_ENVIRONMENT_REASONS = frozenset({"unreadable", "caption_unreadable"})
 
 
 def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
@@ -93,6 +95,11 @@ def scan_datasets(
     start = time.perf_counter()
     specs = resolve_datasets(params)
     listings: list[Listing] = [list_dataset(spec.root) for spec in specs]
+    return _scan_listed(params, specs, listings, cache_path, progress, start)
+
+
+def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing], cache_path: Path | None,
+                 progress: bool, start: float) -> tuple[list[Row], dict[str, Any]]:
     cache = load_cache(cache_path, params.max_image_pixels)
 
     known: dict[CacheKey, CacheEntry] = {}
@@ -129,7 +136,7 @@ def scan_datasets(
     _check_captions(rows, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
-    run = {"files_probed": len(todo), "files_cached": cached, "workers": workers,
+    run = {"files_probed": len(todo), "files_cached": cached, "workers": workers, "reused_last_scan": False,
            "seconds": round(time.perf_counter() - start, 3)}
     ignored = {spec.name: lst.ignored_files for spec, lst in zip(specs, listings)}
     return rows, build_report(rows, specs, ignored, warnings, run)
@@ -154,9 +161,29 @@ def _check_captions(rows: Sequence[Row], specs: Sequence[DatasetSpec]) -> None:
 
 
 def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, cache_path: Path | None) -> dict:
-    """Scan every dataset of params; write the manifest parquet and reports JSON atomically; return the report dict."""
-    rows, report = scan_datasets(params, cache_path)
-    write_bytes_atomic(manifest_path, manifest_bytes(rows))
+    """Scan every dataset of params; write the manifest parquet and reports JSON atomically; return the report dict.
+
+    With a `cache_path`, a rescan in which no file's stat key (and no param) changed since the last successful
+    scan reuses that scan's manifest bytes and report (see `snapshot.py`) after the walk; otherwise only the
+    files whose stat key changed are probed."""
+    start = time.perf_counter()
+    specs = resolve_datasets(params)
+    listings: list[Listing] = [list_dataset(spec.root) for spec in specs]
+    snapshot = Snapshot(cache_path) if cache_path is not None else None
+    key = fingerprint(params, specs, listings) if snapshot is not None else ""
+    last = snapshot.load(key) if snapshot is not None else None
+    if last is not None:
+        data, report = last
+        files = sum(e.stat_key is not None for lst in listings for e in lst.entries)
+        report["run"] = {"files_probed": 0, "files_cached": files, "workers": _workers(params),
+                         "reused_last_scan": True, "seconds": round(time.perf_counter() - start, 3)}
+    else:
+        rows, report = _scan_listed(params, specs, listings, cache_path, True, start)
+        data = manifest_bytes(rows)
+        # Not when a row's reason depends on permissions rather than bytes: a chmod leaves stat keys unchanged.
+        if snapshot is not None and not any(r.reason in _ENVIRONMENT_REASONS for r in rows):
+            snapshot.save(key, data, report)
+    write_bytes_atomic(manifest_path, data)
     write_json_atomic(report_path, report)
     for line in summary_lines(report, str(manifest_path)):
         print(line, file=sys.stderr)

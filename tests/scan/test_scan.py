@@ -101,11 +101,49 @@ def test_outdated_cache_is_ignored(tmp_path: Path, ds: Path) -> None:
     make_image(ds / "a.png")
     run(tmp_path, params_for(ds))
     (tmp_path / "out" / "cache.parquet").write_bytes(b"garbage")
+    (tmp_path / "out" / "cache.last-scan.json").unlink()  # else the unchanged rescan reuses the last scan whole
     _, report, _ = run(tmp_path, params_for(ds))
     assert report["run"]["files_probed"] == 2
     # Another pixel limit changes what probing means: everything is probed again.
     _, report, _ = run(tmp_path, params_for(ds, scan={"max_image_pixels": 1_000_000}))
     assert report["run"]["files_probed"] == 2
+
+
+def test_unchanged_rescan_reuses_the_last_scan_and_any_change_does_not(tmp_path: Path, ds: Path) -> None:
+    small_dataset(ds)
+    params = params_for(ds, frames=(1, 8))
+    _, first, data = run(tmp_path, params)
+    assert first["run"]["reused_last_scan"] is False and first["run"]["files_probed"] == 8
+    rows, again, same = run(tmp_path, params)
+    assert again["run"]["reused_last_scan"] is True and again["run"]["files_probed"] == 0
+    assert same == data and {k: v for k, v in again.items() if k != "run"} == \
+        {k: v for k, v in first.items() if k != "run"}
+    assert again["run"]["files_cached"] == 8
+
+    # an edited caption: probed alone, and the manifest says so
+    (ds / "sub" / "b.txt").write_text("b, edited")
+    rows, edited, _ = run(tmp_path, params)
+    assert edited["run"]["reused_last_scan"] is False and edited["run"]["files_probed"] == 1
+    assert by_path(rows)["sub/b.jpg"]["caption"] == "b, edited"
+    # a param: nothing to probe, but the rows change
+    rows, more, _ = run(tmp_path, params_for(ds, frames=(1, 8), repeats=3))
+    assert more["run"]["reused_last_scan"] is False and more["run"]["files_probed"] == 0
+    assert {r["repeats"] for r in rows} == {3}
+    # a new file
+    make_image(ds / "e.png", caption="e")
+    rows, added, _ = run(tmp_path, params_for(ds, frames=(1, 8), repeats=3))
+    assert added["run"]["reused_last_scan"] is False and "e.png" in by_path(rows)
+    # each result equals a scan without any cache
+    assert run(tmp_path / "fresh", params_for(ds, frames=(1, 8), repeats=3), cache=False)[0] == rows
+
+
+def test_damaged_snapshot_is_not_used(tmp_path: Path, ds: Path) -> None:
+    small_dataset(ds)
+    _, _, data = run(tmp_path, params_for(ds))
+    snapshot = tmp_path / "out" / "cache.last-manifest.parquet"
+    snapshot.write_bytes(snapshot.read_bytes()[:-10] + b"0123456789")
+    _, report, again = run(tmp_path, params_for(ds))
+    assert report["run"]["reused_last_scan"] is False and again == data
 
 
 def test_process_pool_gives_the_same_manifest(tmp_path: Path, ds: Path) -> None:
