@@ -4,28 +4,32 @@ Subdirectories are walked (names sorted, so the walk is the same everywhere); na
 skipped, files and directories alike. Symlinks are followed; a directory reached a second time (a symlink
 loop, or two links to one directory) is skipped with a warning. A media-named symlink that is broken or loops
 becomes an entry with a `problem`, so it shows up in the manifest as an excluded row instead of vanishing.
+
+An unchanged rescan does little more than this walk (see snapshot.py), so the walk keeps per-file work to the
+stat call and three list appends; `Entry` objects are built only when a scan needs them.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import operator
 import os
-import stat
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS
 
 StatKey = tuple[int, int, int]  # (size, mtime_ns, inode): a file whose key is unchanged is not re-probed
+Kind = Literal["media", "caption"]
 
 
 class Entry(NamedTuple):
-    """One media or caption file found under a dataset root (a tuple: a rescan builds one per file)."""
+    """One media or caption file found under a dataset root."""
 
     rel: str  # POSIX path relative to the dataset root
     path: str  # the path to open (root joined with rel)
-    kind: Literal["media", "caption"]
+    kind: Kind
     stat_key: StatKey | None  # None when the file could not be stat'ed (see problem)
     problem: str = ""  # '', 'broken_symlink', 'symlink_loop', 'not_regular_file', 'unreadable'
     detail: str = ""
@@ -33,29 +37,42 @@ class Entry(NamedTuple):
 
 @dataclass
 class Listing:
-    """Everything found under one dataset root."""
+    """Everything found under one dataset root, as columns sorted by relative path: `rels[i]` is a file of
+    `kinds[i]` with stat key `stats[i]` (None when it could not be stat'ed: `problems[i]` says why)."""
 
-    entries: list[Entry] = field(default_factory=list)
+    root: str = ""
+    rels: list[str] = field(default_factory=list)
+    kinds: list[Kind] = field(default_factory=list)
+    stats: list[StatKey | None] = field(default_factory=list)
+    problems: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (problem, detail)
     ignored_files: int = 0  # neither media nor .txt
     warnings: list[str] = field(default_factory=list)
 
+    @functools.cached_property
+    def entries(self) -> list[Entry]:
+        """The files as `Entry` tuples, sorted by relative path."""
+        prefix, problems = os.path.join(self.root, ""), self.problems  # root with one trailing separator
+        return [Entry(rel, prefix + rel, kind, st, *problems[i]) if i in problems else
+                Entry(rel, prefix + rel, kind, st)
+                for i, (rel, kind, st) in enumerate(zip(self.rels, self.kinds, self.stats))]
 
-_KINDS: dict[str, Literal["media", "caption"]] = {
-    **{ext: "media" for ext in (*IMAGE_EXTS, *VIDEO_EXTS)}, ".txt": "caption"}
 
-
+_KINDS: dict[str, Kind] = {**{ext: "media" for ext in (*IMAGE_EXTS, *VIDEO_EXTS)}, ".txt": "caption"}
+_REGULAR_MASK, _REGULAR = 0o170000, 0o100000  # stat.S_IFMT's mask, stat.S_IFREG
 _name = operator.attrgetter("name")
 
 
 def list_dataset(root: str) -> Listing:
     """Walk `root` and return its media and caption files, sorted by relative path."""
-    out = Listing()
+    out = Listing(root=root)
+    rels, kinds, stats, problems = out.rels, out.kinds, out.stats, out.problems
     root_st = os.stat(root)
     seen_dirs = {(root_st.st_dev, root_st.st_ino)}
     stack = [""]  # relative directory paths still to walk
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        prefix = f"{rel_dir}/" if rel_dir else ""
         try:
             with os.scandir(abs_dir) as it:
                 dir_entries = sorted(it, key=_name)
@@ -64,9 +81,10 @@ def list_dataset(root: str) -> Listing:
             continue
         subdirs = []
         for de in dir_entries:
-            if de.name.startswith("."):
+            name = de.name
+            if name[0] == ".":
                 continue
-            rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
+            rel = prefix + name
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:
@@ -89,8 +107,7 @@ def list_dataset(root: str) -> Listing:
                 seen_dirs.add((st.st_dev, st.st_ino))
                 subdirs.append(rel)
                 continue
-            name = de.name
-            _, dot, suffix = name.rpartition(".")  # _entry_kind, inlined: this runs for every file of a rescan
+            _, dot, suffix = name.rpartition(".")
             kind = _KINDS.get("." + suffix.lower()) if dot else None
             if kind is None:
                 out.ignored_files += 1
@@ -98,25 +115,29 @@ def list_dataset(root: str) -> Listing:
             try:
                 st = de.stat()
             except OSError as exc:
-                out.entries.append(_problem_entry(de, rel, kind, exc))
-                continue
-            if st.st_mode & _REGULAR_MASK == stat.S_IFREG:
-                out.entries.append(Entry(rel, de.path, kind, (st.st_size, st.st_mtime_ns, st.st_ino)))
-            else:  # a FIFO or device named like a media file: opening it could block forever
-                out.entries.append(Entry(rel, de.path, kind, None, "not_regular_file", "not a regular file"))
+                problems[len(rels)] = _stat_problem(exc)
+                st = None
+            if st is not None and st.st_mode & _REGULAR_MASK != _REGULAR:
+                # A FIFO or device named like a media file: opening it could block forever.
+                problems[len(rels)] = ("not_regular_file", "not a regular file")
+                st = None
+            rels.append(rel)
+            kinds.append(kind)
+            stats.append(None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino))
         # Reverse so the stack pops subdirectories in name order.
         stack.extend(reversed(subdirs))
-    out.entries.sort()  # by rel, the first field (unique, so the other fields are never compared)
+    if any(rels[i] > rels[i + 1] for i in range(len(rels) - 1)):  # files beside subdirectories: walk order
+        order = sorted(range(len(rels)), key=rels.__getitem__)
+        out.rels, out.kinds, out.stats = [rels[i] for i in order], [kinds[i] for i in order], [stats[i] for i in order]
+        where = {old: new for new, old in enumerate(order)}
+        out.problems = {where[i]: p for i, p in problems.items()}
     return out
 
 
-_REGULAR_MASK = 0o170000  # stat.S_IFMT's mask
-
-
-def _problem_entry(de: os.DirEntry[str], rel: str, kind: Literal["media", "caption"], exc: OSError) -> Entry:
-    """The entry of a file that could not be stat'ed (its target missing, a symlink loop, permissions)."""
+def _stat_problem(exc: OSError) -> tuple[str, str]:
+    """(problem, detail) of a file that could not be stat'ed (its target missing, a symlink loop, permissions)."""
     if isinstance(exc, FileNotFoundError):
-        return Entry(rel, de.path, kind, None, "broken_symlink", "symlink target does not exist")
+        return "broken_symlink", "symlink target does not exist"
     if exc.errno == errno.ELOOP:
-        return Entry(rel, de.path, kind, None, "symlink_loop", "too many levels of symbolic links")
-    return Entry(rel, de.path, kind, None, "unreadable", f"{type(exc).__name__}: {exc.strerror}")
+        return "symlink_loop", "too many levels of symbolic links"
+    return "unreadable", f"{type(exc).__name__}: {exc.strerror}"

@@ -174,7 +174,7 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
     last = snapshot.load(key) if snapshot is not None else None
     if last is not None:
         data, report = last
-        files = sum(e.stat_key is not None for lst in listings for e in lst.entries)
+        files = sum(len(lst.stats) - len(lst.problems) for lst in listings)
         report["run"] = {"files_probed": 0, "files_cached": files, "workers": _workers(params),
                          "reused_last_scan": True, "seconds": round(time.perf_counter() - start, 3)}
     else:

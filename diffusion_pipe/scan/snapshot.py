@@ -50,16 +50,15 @@ def fingerprint(params: ScanParams, specs: Sequence[DatasetSpec], listings: Sequ
     h.update(json.dumps({"version": _VERSION, "params": to_dict(params)}, sort_keys=True).encode())
     missing = (0, 0, 0)
     for spec, listing in zip(specs, listings):
-        entries = listing.entries
-        h.update(f"\0dataset {spec.name} {len(entries)} {listing.ignored_files}\0".encode())
-        # relative paths (names that are not UTF-8 were skipped by the listing), then the stat keys as arrays
-        h.update("\0".join([e.rel for e in entries]).encode("utf-8", "surrogateescape"))
-        stats = [e.stat_key or missing for e in entries]
+        h.update(f"\0dataset {spec.name} {len(listing.rels)} {listing.ignored_files}\0".encode())
+        # relative paths (the listing skipped names that are not UTF-8), kinds, then the stat keys as arrays
+        h.update("\0".join(listing.rels).encode("utf-8"))
+        h.update("".join([k[0] for k in listing.kinds]).encode())
+        stats = [s or missing for s in listing.stats]
         h.update(array("Q", [s[0] for s in stats]).tobytes())
         h.update(array("q", [s[1] for s in stats]).tobytes())
         h.update(array("Q", [s[2] for s in stats]).tobytes())
-        problems = [(i, e.kind, e.problem, e.detail) for i, e in enumerate(entries) if e.problem]
-        h.update(json.dumps([problems, listing.warnings]).encode())
+        h.update(json.dumps([sorted(listing.problems.items()), listing.warnings]).encode())
     return h.hexdigest()
 
 
