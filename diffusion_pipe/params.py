@@ -174,7 +174,9 @@ class TrainParams:
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
     max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    checkpoint_every_steps: int = 0  # 0: only at the end
+    checkpoint_every_steps: int = 0  # 0: only at the end (and on Ctrl-C)
+    checkpoint_every_minutes: float = 0.0  # also after the first step that ends this long after the last save
+    keep_checkpoints: int = 0  # keep only the newest N checkpoints of a run (0: keep all)
     eval_every_steps: int = 0  # 0: only at the start and the end
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -185,6 +187,8 @@ class TrainParams:
             raise ValueError(f"pipeline_stages must be >= 1, got {self.pipeline_stages}")
         if self.blocks_to_swap < 0 or self.max_gpu_memory_gb < 0:
             raise ValueError("blocks_to_swap and max_gpu_memory_gb must be >= 0")
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_minutes < 0 or self.keep_checkpoints < 0:
+            raise ValueError("checkpoint_every_steps, checkpoint_every_minutes and keep_checkpoints must be >= 0")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
         if self.learning_rate <= 0:

@@ -11,6 +11,7 @@ import json
 import contextlib
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ from diffusion_pipe.train.data import DataError, MicroBatches, Prefetcher, check
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
-from diffusion_pipe.train.optim import MasterWeightAdamW
+from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
 from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
 
@@ -49,20 +50,21 @@ def lr_lambda(train: TrainParams):
     return factor
 
 
-def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
+def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
     """The engine's config. Base and LoRA compute in `model.dtype`; fp32 master weights live in our optimizer
     (train/optim.py), so the engine runs in fp32 mode and DeepSpeed's bf16 optimizer, which keeps its masters
-    in step with per-parameter Python loops, is not used; our optimizer clips gradients too, in foreach ops.
-    fp16 keeps DeepSpeed's loss scaling and its clipping. No "optimizer" block: a torch optimizer is passed in
-    (DeepSpeed's FusedAdam would compile). The throughput timer is off: it synchronises the device before
-    every forward pass, which stalls the data prefetch and the kernel queue."""
+    in step with per-parameter Python loops, is not used; our optimizer also clips gradients (in foreach ops)
+    and scales the loss for float16. DeepSpeed's fp16 mode is not used either: its optimizer wrapper replaces
+    the wrapped optimizer's parameters with its own fp32 copies, which would leave our masters without
+    gradients. No "optimizer" block: a torch optimizer is passed in (DeepSpeed's FusedAdam would compile). The
+    throughput timer is off: it synchronises the device before every forward pass, which stalls the data
+    prefetch and the kernel queue."""
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * dp_world,
-        "gradient_clipping": train.max_grad_norm if dtype == "float16" else 0.0,
+        "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
-        "fp16": {"enabled": dtype == "float16"},
         "zero_optimization": {"stage": 0},
         "wall_clock_breakdown": False,
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
@@ -71,8 +73,11 @@ def deepspeed_config(train: TrainParams, dtype: str, dp_world: int) -> dict:
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
                  world: int) -> dict:
-    """What defines a run; its hash names the run's checkpoint directory."""
-    return {"model": to_dict(model), "train": to_dict(train), "encoded": hash_file(encoded_path),
+    """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
+    how many are kept do not change what is trained, so they are left out: changing them continues the run."""
+    cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints")
+    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
+    return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
                                                            "pipeline_stages": train.pipeline_stages}}
 
@@ -92,6 +97,14 @@ def check_resumable(source: Path, identity: dict, force: bool) -> None:
     if changes and not force:
         raise DataError(f"--resume-from {source}: refusing to resume, since " + "; ".join(changes)
                         + " changed; pass --force to resume anyway")
+
+
+def _prune_checkpoints(checkpoint_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (step<N> directories) of a run, oldest first."""
+    steps = sorted((int(p.name[4:]), p) for p in checkpoint_dir.glob("step*")
+                   if p.name[4:].isdigit() and p.is_dir())
+    for _, path in steps[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _latest_step(checkpoint_dir: Path) -> int | None:
@@ -125,8 +138,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed)
     denoiser, targets = local.denoiser, local.lora_targets
 
+    scaler = LossScaler(enabled=model.dtype == "float16")
+
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
+        loss = mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
+        return loss * scaler.scale if scaler.enabled else loss
 
     if dist.device.type == "cuda" and train.max_gpu_memory_gb:
         total = torch.cuda.get_device_properties(dist.device).total_memory
@@ -137,10 +153,10 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
                                   betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay,
-                                  max_grad_norm=0.0 if model.dtype == "float16" else train.max_grad_norm)
+                                  max_grad_norm=train.max_grad_norm, loss_scaler=scaler)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(train, model.dtype, dp_world))
+                                           config=deepspeed_config(train, dp_world))
     if train.pipeline_stages > 1:  # the gradient norm spans every stage of this process's pipeline
         optimizer.norm_group = engine.grid.get_pipe_parallel_group()
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -177,15 +193,32 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         per_t = {}
         for t in train.eval_timesteps:
             batches = eval_batches(eval_rows, eval_loader, t, train.seed)
-            per_t[f"{t:g}"] = float(engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+            per_t[f"{t:g}"] = float(engine.eval_batch(iter(batches), num_micro_batches=len(batches))) / scaler.scale
         state["evals"].append({"step": step, "loss": sum(per_t.values()) / len(per_t), "by_timestep": per_t})
         if writer:
             writer.add_scalar("eval/loss", state["evals"][-1]["loss"], step)
 
+    last_save = time.monotonic()
+
     def save_checkpoint() -> None:
+        nonlocal last_save
         client = {"state": state, "torch_rng": torch.get_rng_state()}
         engine.save_checkpoint(str(checkpoint_dir), tag=f"step{state['step']}", client_state=client,
                                exclude_frozen_parameters=True)
+        last_save = time.monotonic()
+        if train.keep_checkpoints and dist.local_rank == 0:
+            _prune_checkpoints(checkpoint_dir, train.keep_checkpoints)
+
+    def checkpoint_due() -> bool:
+        if train.checkpoint_every_steps and state["step"] % train.checkpoint_every_steps == 0:
+            return True
+        if not train.checkpoint_every_minutes:
+            return False
+        # every rank must save together: rank 0's clock decides
+        due = torch.tensor([int(time.monotonic() - last_save >= 60 * train.checkpoint_every_minutes)],
+                           dtype=torch.int32, device=dist.device)
+        torch.distributed.broadcast(due, src=0)
+        return bool(due.item())
 
     writer = None
     if is_reporter:
@@ -208,7 +241,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         while state["step"] < train.steps:
             step_started = time.perf_counter()
             with profiler.step(state["step"]):
-                loss = float(engine.train_batch(loader))
+                scale = scaler.scale  # the step's loss was scaled by this; its optimizer step may change it
+                loss = float(engine.train_batch(loader)) / scale
             step_seconds.append(time.perf_counter() - step_started)
             state["step"] += 1
             state["position"] = loader.position
@@ -229,7 +263,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                       state["step"])
             if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
                 evaluate(state["step"])
-            if train.checkpoint_every_steps and state["step"] % train.checkpoint_every_steps == 0:
+            if checkpoint_due():
                 save_checkpoint()
     except KeyboardInterrupt:
         save_checkpoint()

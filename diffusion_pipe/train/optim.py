@@ -6,14 +6,46 @@ accumulate in fp32 master copies (fp32 parameters are their own masters); a step
 gradients in, the global norm, clipping, the fused AdamW update, weights out. DeepSpeed's own fp32 clipping
 runs three kernels per parameter from a Python loop (about a thousand parameters for a Flux-dev LoRA), so the
 engine is configured without it and clipping happens here; the norm is left where DeepSpeed's
-`engine.get_global_grad_norm()` reads it. Masters are part of the state dict, so a resumed run continues from
-the exact fp32 weights.
+`engine.get_global_grad_norm()` reads it. float16 models get dynamic loss scaling here too (`LossScaler`), so
+the engine runs in fp32 mode for every dtype. Masters and the loss scale are part of the state dict, so a
+resumed run continues from the exact fp32 weights.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+class LossScaler:
+    """Dynamic loss scaling, for float16 training: the loss is multiplied by `scale` before backward so that
+    small gradients survive fp16's range; the optimizer divides it out of the fp32 master gradients, skips a
+    step whose gradients overflowed (halving the scale) and doubles the scale after `growth_interval` clean
+    steps. Disabled (scale 1, never skips) for bfloat16 and float32, whose range needs none of this."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000) -> None:
+        self.enabled, self.growth_interval = enabled, growth_interval
+        self.scale = init_scale if enabled else 1.0
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record one step's outcome; return whether its update may be applied."""
+        if finite:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+            return True
+        self.scale = max(self.scale / 2.0, 1.0)
+        self.clean_steps = 0
+        self.skipped_steps += 1
+        return False
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps, self.skipped_steps = state["scale"], state["clean_steps"], state["skipped_steps"]
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
@@ -24,13 +56,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
     group of one pipeline and the norm covers all its stages (gradients are already averaged over
     data-parallel replicas when the engine steps the optimizer)."""
 
-    def __init__(self, params, *, max_grad_norm: float = 0.0, norm_group: object = None, **kwargs) -> None:
+    def __init__(self, params, *, max_grad_norm: float = 0.0, norm_group: object = None,
+                 loss_scaler: LossScaler | None = None, **kwargs) -> None:
         self.model_params = [p for p in params]
         masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                    for p in self.model_params]
         super().__init__(masters, **kwargs)
         self.masters = masters
         self.max_grad_norm, self.norm_group = max_grad_norm, norm_group
+        self.loss_scaler = loss_scaler or LossScaler(enabled=False)
         self._global_grad_norm: torch.Tensor | None = None  # DeepSpeed's engine.get_global_grad_norm() reads it
 
     def _low_precision(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -43,15 +77,23 @@ class MasterWeightAdamW(torch.optim.AdamW):
         for master, param in zip(masters, params):
             master.grad = None if param.grad is None else param.grad.float()
         grads = [m.grad for m in self.masters if m.grad is not None]
+        scaler = self.loss_scaler
         if grads:
+            if scaler.enabled:
+                torch._foreach_mul_(grads, 1.0 / scaler.scale)
             norm = torch.nn.utils.get_total_norm(grads, foreach=None)
             if self.norm_group is not None:
                 squared = norm.square()
                 dist.all_reduce(squared, group=self.norm_group)
                 norm = squared.sqrt()
+            self._global_grad_norm = norm
+            # the norm spans every stage, so all stages skip an overflowed step together
+            if scaler.enabled and not scaler.update(bool(torch.isfinite(norm))):
+                for master in self.masters:
+                    master.grad = None
+                return None
             if self.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.masters, self.max_grad_norm, norm, foreach=None)
-            self._global_grad_norm = norm
         loss = super().step(closure)
         if params:
             torch._foreach_copy_(params, masters)
@@ -65,11 +107,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def state_dict(self) -> dict:  # noqa: D102
         state = super().state_dict()
         state["masters"] = [m.detach().clone() for m in self.masters]
+        state["loss_scaler"] = self.loss_scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         state_dict = dict(state_dict)
         masters = state_dict.pop("masters", None)  # None: a checkpoint of torch's AdamW on fp32 parameters
+        if "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict.pop("loss_scaler"))
         super().load_state_dict(state_dict)
         params, own = self._low_precision()
         with torch.no_grad():

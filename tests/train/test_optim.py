@@ -57,3 +57,46 @@ def test_clipping_matches_torch_and_reports_the_norm():
     for p, q, grad in zip(ours, ref, grads):  # fp32 parameters are their own masters: clipped in place
         assert torch.allclose(p.grad, q.grad) and not torch.allclose(p.grad, grad)
         assert torch.allclose(p, q, atol=1e-7)
+
+
+def test_loss_scaling_unscales_skips_overflow_and_round_trips():
+    from diffusion_pipe.train.optim import LossScaler
+
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    ref = torch.nn.Parameter(torch.ones(4))
+    scaler = LossScaler(enabled=True, init_scale=1024.0, growth_interval=2)
+    opt = MasterWeightAdamW([p], lr=1e-2, max_grad_norm=0.0, loss_scaler=scaler)
+    ref_opt = MasterWeightAdamW([ref], lr=1e-2)
+    grad = torch.tensor([0.5, -0.25, 0.125, 1.0])
+    p.grad = (grad * 1024).half()  # what backward of a loss scaled by 1024 gives
+    ref.grad = grad.clone()
+    opt.step()
+    ref_opt.step()
+    assert torch.allclose(opt.masters[0], ref, atol=1e-6)  # the same update as unscaled fp32 gradients
+    assert torch.allclose(opt._global_grad_norm, grad.norm())
+
+    before = opt.masters[0].clone()
+    p.grad = torch.tensor([float("inf"), 1, 1, 1], dtype=torch.float16)
+    assert opt.step() is None  # overflow: no update, the scale halves
+    assert torch.equal(opt.masters[0], before) and scaler.scale == 512.0 and scaler.skipped_steps == 1
+    for _ in range(2):  # two clean steps: the scale doubles again
+        p.grad = (grad * scaler.scale).half()
+        opt.step()
+    assert scaler.scale == 1024.0
+
+    fresh = MasterWeightAdamW([torch.nn.Parameter(torch.ones(4, dtype=torch.float16))], lr=1e-2,
+                              loss_scaler=LossScaler(enabled=True))
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.loss_scaler.state_dict() == scaler.state_dict()
+
+
+def test_scaling_is_off_for_bf16():
+    from diffusion_pipe.train.optim import LossScaler
+
+    scaler = LossScaler(enabled=False)
+    assert scaler.scale == 1.0
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    opt = MasterWeightAdamW([p], lr=1e-2, loss_scaler=scaler)
+    p.grad = torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16)
+    opt.step()  # not skipped: without scaling, a non-finite gradient is the model's problem, as in torch
+    assert scaler.skipped_steps == 0

@@ -92,3 +92,23 @@ def test_resume_from_another_run_refuses_changed_data_unless_forced(encoded_repo
     subprocess.run([*cmd, "--force"], cwd=repo, env=run_env(store), check=True, capture_output=True)
     report = json.loads((runs / "report.json").read_text())
     assert report["resumed_from"] == STEPS
+
+
+def test_checkpoints_by_time_and_pruning(encoded_repo, tmp_path):
+    """A checkpoint after every step once the minutes have passed (here: at once), only the newest N kept;
+    neither setting changes the run's identity, so the run continues where the other left off."""
+    repo, store = encoded_repo
+    params = (repo / "params.yaml").read_text().replace(f"steps: {STEPS}", "steps: 6")
+    (tmp_path / "timed.yaml").write_text(params.replace(
+        "checkpoint_every_steps: 3", "checkpoint_every_steps: 0\n  checkpoint_every_minutes: 1.0e-9\n"
+        "  keep_checkpoints: 2"))
+    (tmp_path / "plain.yaml").write_text(params)
+    runs = tmp_path / "runs"
+    subprocess.run([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo, env=run_env(store),
+                   check=True, capture_output=True)
+    (run_dir,) = (runs / "checkpoints").iterdir()
+    assert sorted(p.name for p in run_dir.glob("step*")) == ["step5", "step6"]
+    assert (run_dir / "latest").read_text().strip() == "step6"
+    again = subprocess.run([*train_cmd(runs), "--params", str(tmp_path / "plain.yaml")], cwd=repo,
+                           env=run_env(store), check=True, capture_output=True)
+    assert json.loads((runs / "report.json").read_text())["resumed_from"] == 6, again.stderr[-2000:]
