@@ -39,7 +39,11 @@ def _code_and_libraries() -> bytes:
     for path in sorted(Path(__file__).parent.glob("*.py")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     for name in _LIBRARIES:
-        h.update(f"{name}={importlib.metadata.version(name)}\0".encode())
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # e.g. a build without distribution metadata
+            version = "unknown"
+        h.update(f"{name}={version}\0".encode())
     return h.digest()
 
 
