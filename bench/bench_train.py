@@ -234,7 +234,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-plain", action="store_true", help="run ours only")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="write torch.profiler tables of both runners into this directory")
+                        help="write torch.profiler tables, Chrome traces and their GPU-idle breakdown "
+                             "(bench/trace_gaps.py) of both runners into this directory")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-train-"))
@@ -263,6 +264,12 @@ def main() -> None:
         results[variant]["ours"] = {k: ours[k] for k in ("step_seconds", "max_memory_gb", "process_seconds",
                                                          "lora_dtype")}
         print(json.dumps({variant: results[variant]}), flush=True)
+    if args.profile:  # where each runner's GPU sat idle, next to the operator tables
+        for trace in sorted(args.profile.glob("*.trace.json")):
+            gaps = subprocess.run([sys.executable, str(REPO / "bench/trace_gaps.py"), str(trace)],
+                                  capture_output=True, text=True)
+            trace.with_name(trace.name.removesuffix(".trace.json") + ".gaps.txt").write_text(gaps.stdout + gaps.stderr)
+            print(f"{trace.name}: {gaps.stdout.splitlines()[0] if gaps.stdout else gaps.stderr[-300:]}")
     eager = results.get("eager", {}).get("plain", {}).get("step_seconds")
     print(f"\n{args.shape} on {results['gpu'] or 'cpu'}; model FLOPs/step {results.get('flops_per_step') or 0:.3e}"
           + (f"; bf16 matmul peak {results['peak_flops'] / 1e12:.0f} TFLOP/s" if results["peak_flops"] else ""))
