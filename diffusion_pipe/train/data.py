@@ -117,19 +117,15 @@ def _alphas_cumprod_of(schedule_json: str) -> torch.Tensor:
 
 
 class MicroBatches:
-    """An endless iterator of (inputs, labels) micro-batches for one data-parallel rank.
-
-    `position` counts the micro-batches drawn so far; a new instance with the same position continues the
-    same sequence (the checkpoint stores it).
-    """
+    """The endless sequence of (inputs, labels) micro-batches of one data-parallel rank, by position: `at(n)`
+    is a pure function of n, so a run resumed at the position its checkpoint stores continues the same
+    sequence (`Prefetcher` walks it during training)."""
 
     def __init__(self, rows: list[Row], store: Store, adapter: Adapter, *, micro_batch_size: int, seed: int,
-                 dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
-                 position: int = 0) -> None:
+                 dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float) -> None:
         self.rows, self.store, self.adapter = rows, store, adapter
         self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
         self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
-        self.position = position
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
         if not self._rank_batches(0):
             raise DataError(
@@ -170,30 +166,22 @@ class MicroBatches:
         inputs = self.adapter.model_inputs(noised.noisy, noised.timesteps, text, self.guidance)
         return inputs, (noised.target.to(inputs[0].dtype),)
 
-    def __iter__(self) -> Iterator:
-        return self
-
     def at(self, position: int):
         """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
         generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
                                                       16))
         return self.make(self.indices_at(position), generator)
 
-    def __next__(self):
-        batch = self.at(self.position)
-        self.position += 1
-        return batch
-
 
 class Prefetcher:
-    """The micro-batches of `source`, prepared `depth` ahead in a background thread (store reads, noise, pinned
-    host memory) while the device runs the current one, and handed over on `device` by asynchronous copies.
-    `position` counts the micro-batches handed over, as `MicroBatches.position` does, so a checkpoint taken
-    between steps resumes at the first batch not yet trained on."""
+    """The micro-batches of `source` from `position` on, prepared `depth` ahead in a background thread (store
+    reads, noise, pinned host memory) while the device runs the current one, and handed over on `device` by
+    asynchronous copies. `position` is that of the next micro-batch to hand over, so a checkpoint taken between
+    steps resumes at the first batch not yet trained on."""
 
-    def __init__(self, source: MicroBatches, device: torch.device, depth: int = 2) -> None:
+    def __init__(self, source: MicroBatches, device: torch.device, position: int = 0, depth: int = 2) -> None:
         self.source, self.device, self.depth = source, device, depth
-        self.position = source.position
+        self.position = position
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="train-data")
         self._pending: collections.deque[Future] = collections.deque()
 
@@ -204,12 +192,15 @@ class Prefetcher:
     def __iter__(self) -> Iterator:
         return self
 
-    def __next__(self):
+    def _fill(self) -> None:
         while len(self._pending) < self.depth:
             self._pending.append(self._pool.submit(self._prepare, self.position + len(self._pending)))
+
+    def __next__(self):
+        self._fill()
         batch = self._pending.popleft().result()
         self.position += 1
-        self._pending.append(self._pool.submit(self._prepare, self.position + len(self._pending)))
+        self._fill()
         return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
     def close(self) -> None:

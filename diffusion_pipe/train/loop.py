@@ -182,7 +182,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     loader = Prefetcher(MicroBatches(
         train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
-        guidance=train.guidance, position=state["position"]), dist.device)
+        guidance=train.guidance), dist.device, position=state["position"])
     eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
                                dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
                                guidance=train.guidance) if eval_rows else None

@@ -11,8 +11,8 @@ from diffusion_pipe.train.data import Prefetcher
 class Numbered:
     """A loader whose batch at each position is a pure function of it (as MicroBatches' is)."""
 
-    def __init__(self, position: int, fail_at: int | None = None) -> None:
-        self.position, self.fail_at = position, fail_at
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
         self.threads: set[str] = set()
 
     def at(self, position: int):
@@ -23,8 +23,8 @@ class Numbered:
 
 
 def test_same_sequence_as_the_loader_and_counts_what_it_handed_over():
-    source = Numbered(position=5)
-    loader = Prefetcher(source, torch.device("cpu"), depth=3)
+    source = Numbered()
+    loader = Prefetcher(source, torch.device("cpu"), position=5, depth=3)
     try:
         for expected in range(5, 12):
             (x, [y]), (label, nothing) = next(loader)
@@ -37,7 +37,7 @@ def test_same_sequence_as_the_loader_and_counts_what_it_handed_over():
 
 
 def test_a_failing_batch_raises_in_the_training_thread():
-    loader = Prefetcher(Numbered(position=0, fail_at=2), torch.device("cpu"))
+    loader = Prefetcher(Numbered(fail_at=2), torch.device("cpu"))
     try:
         next(loader)
         next(loader)
