@@ -185,16 +185,15 @@ def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_la
         if profile and i == 3:
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
+            from diffusion_pipe.train.loop import write_profile
+
             cuda = dev.type == "cuda"
             with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
                 with torch.profiler.record_function(f"train.step{i}"):
                     step()
                     if cuda:
                         torch.cuda.synchronize()
-            sort = "cuda_time_total" if cuda else "cpu_time_total"
-            profile.write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
-                                            for key in (sort, "self_cpu_time_total")))
-            prof.export_chrome_trace(f"{profile}.trace.json")
+            write_profile(prof, profile)
         else:
             step()
         if dev.type == "cuda":
@@ -237,6 +236,8 @@ def main() -> None:
                         help="write torch.profiler tables, Chrome traces and their GPU-idle breakdown "
                              "(bench/trace_gaps.py) of both runners into this directory")
     args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir, store, encoded = work / "model", work / "store", work / "encoded.parquet"

@@ -349,10 +349,16 @@ class _Profiler:
             return
         prof, self.prof = self.prof, None  # steps after the window never record again
         prof.__exit__(None, None, None)
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        Path(self.path).write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
-                                                for key in (sort, "self_cpu_time_total")))
-        prof.export_chrome_trace(f"{self.path}.trace.json")
+        write_profile(prof, Path(self.path))
+
+
+def write_profile(prof, path: Path) -> None:
+    """A finished torch.profiler run: operator tables (by device time, then by host time) to `path`, the Chrome
+    trace to `<path>.trace.json`. The train stage and bench/bench_train.py's plain loop write the same files."""
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    path.write_text("\n\n".join(prof.key_averages().table(sort_by=key, row_limit=45)
+                                 for key in (sort, "self_cpu_time_total")))
+    prof.export_chrome_trace(f"{path}.trace.json")
 
 
 def _annotated(name: str, fn):

@@ -63,18 +63,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
                    for p in self.model_params]
         super().__init__(masters, **kwargs)
         self.masters = masters
+        # the low-precision parameters and their masters (fp32 parameters step in place)
+        self._low = [(p, m) for p, m in zip(self.model_params, masters) if m is not p]
         self.max_grad_norm, self.norm_group = max_grad_norm, norm_group
         self.loss_scaler = loss_scaler or LossScaler(enabled=False)
         self._global_grad_norm: torch.Tensor | None = None  # DeepSpeed's engine.get_global_grad_norm() reads it
 
-    def _low_precision(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
-        return [p for p, _ in pairs], [m for _, m in pairs]
-
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's signature
-        params, masters = self._low_precision()
-        for master, param in zip(masters, params):
+        for param, master in self._low:
             master.grad = None if param.grad is None else param.grad.float()
         grads = [m.grad for m in self.masters if m.grad is not None]
         scaler = self.loss_scaler
@@ -95,8 +92,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
             if self.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.masters, self.max_grad_norm, norm, foreach=None)
         loss = super().step(closure)
-        if params:
-            torch._foreach_copy_(params, masters)
+        self._copy_out()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
@@ -116,11 +112,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict.pop("loss_scaler"))
         super().load_state_dict(state_dict)
-        params, own = self._low_precision()
         with torch.no_grad():
             if masters is not None:
                 torch._foreach_copy_(self.masters, [m.to(self.masters[0].device) for m in masters])
-                if params:
-                    torch._foreach_copy_(params, own)
-            elif params:  # no saved masters: take them from the (already loaded) parameters
-                torch._foreach_copy_(own, params)
+                self._copy_out()
+            elif self._low:  # no saved masters: take them from the (already loaded) parameters
+                torch._foreach_copy_([m for _, m in self._low], [p for p, _ in self._low])
+
+    @torch.no_grad()
+    def _copy_out(self) -> None:
+        """The masters' values into the low-precision parameters."""
+        if self._low:
+            torch._foreach_copy_([p for p, _ in self._low], [m for _, m in self._low])
