@@ -45,6 +45,13 @@ _root_option = click.option("--store", "root", type=click.Path(file_okay=False, 
                             help="The store root (default: $DIFFUSION_PIPE_STORE, else ~/.cache/diffusion-pipe).")
 _repo_option = click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=".",
                             show_default=True, help="The pipeline repository.")
+_remote_option = click.option("--remote",
+                              help="A URL or path, 'dvc' or 'dvc:NAME' (default: the repo's default DVC remote).")
+
+
+def _encoded_option(verb: str):
+    return click.option("--encoded", type=click.Path(dir_okay=False, path_type=Path),
+                        help=f"{verb} the entries this encoded table names (default: the repo's data/encoded.parquet).")
 
 
 @click.group("store")
@@ -150,9 +157,8 @@ def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_p
 @store_group.command("push")
 @_root_option
 @_repo_option
-@click.option("--remote", help="A URL or path, 'dvc' or 'dvc:NAME' (default: the repo's default DVC remote).")
-@click.option("--encoded", type=click.Path(dir_okay=False, path_type=Path),
-              help="Push the entries this encoded table names (default: the repo's data/encoded.parquet).")
+@_remote_option
+@_encoded_option("Push")
 @click.option("--all", "all_packs", is_flag=True, help="Push every pack of the store.")
 def push(root: Path | None, repo: Path, remote: str | None, encoded: Path | None, all_packs: bool) -> None:
     """Upload to the remote the packs holding the encoded table's entries (or all) that it lacks."""
@@ -172,9 +178,8 @@ def push(root: Path | None, repo: Path, remote: str | None, encoded: Path | None
 @store_group.command("pull")
 @_root_option
 @_repo_option
-@click.option("--remote", help="A URL or path, 'dvc' or 'dvc:NAME' (default: the repo's default DVC remote).")
-@click.option("--encoded", type=click.Path(dir_okay=False, path_type=Path),
-              help="Pull the entries this encoded table names (default: the repo's data/encoded.parquet).")
+@_remote_option
+@_encoded_option("Pull")
 def pull(root: Path | None, repo: Path, remote: str | None, encoded: Path | None) -> None:
     """Download from the remote the packs holding the encoded table's entries that the store lacks."""
     store = _store(root)
