@@ -39,9 +39,13 @@ def _meta(max_image_pixels: int) -> bytes:
     return json.dumps({"version": CACHE_VERSION, "max_image_pixels": max_image_pixels}, sort_keys=True).encode()
 
 
+# Reasons that depend on permissions rather than on the file's bytes: a chmod leaves the stat key unchanged.
+ENVIRONMENT_REASONS = frozenset({"unreadable", "caption_unreadable"})
+
+
 def cacheable(result: Probe | CaptionRead) -> bool:
     """Whether a probe result depends only on the file's bytes (and so may be reused while its stat is unchanged)."""
-    return result.reason not in ("unreadable", "caption_unreadable")
+    return result.reason not in ENVIRONMENT_REASONS
 
 
 def load_cache(path: Path | None, max_image_pixels: int) -> dict[CacheKey, CacheEntry]:

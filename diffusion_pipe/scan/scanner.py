@@ -15,7 +15,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.params import ScanParams
 from diffusion_pipe.scan.buckets import bucket_layout
-from diffusion_pipe.scan.cache import CacheEntry, CacheKey, load_cache, save_cache
+from diffusion_pipe.scan.cache import ENVIRONMENT_REASONS, CacheEntry, CacheKey, load_cache, save_cache
 from diffusion_pipe.scan.captions import CaptionRead
 from diffusion_pipe.scan.errors import ScanError
 from diffusion_pipe.scan.files import Listing, list_dataset
@@ -26,7 +26,6 @@ from diffusion_pipe.scan.snapshot import Snapshot, fingerprint
 
 _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
 _SHOWN = 5  # paths named in a ScanError
-_ENVIRONMENT_REASONS = frozenset({"unreadable", "caption_unreadable"})
 
 
 def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
@@ -93,9 +92,14 @@ def scan_datasets(
     Raises ConfigError for bad dataset params and ScanError for missing captions under policy 'error'.
     """
     start = time.perf_counter()
-    specs = resolve_datasets(params)
-    listings: list[Listing] = [list_dataset(spec.root) for spec in specs]
+    specs, listings = _list_datasets(params)
     return _scan_listed(params, specs, listings, cache_path, progress, start)
+
+
+def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing]]:
+    """Every dataset's spec (params checked) and listing (the walk)."""
+    specs = resolve_datasets(params)
+    return specs, [list_dataset(spec.root) for spec in specs]
 
 
 def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing], cache_path: Path | None,
@@ -167,8 +171,7 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
     scan reuses that scan's manifest bytes and report (see `snapshot.py`) after the walk; otherwise only the
     files whose stat key changed are probed."""
     start = time.perf_counter()
-    specs = resolve_datasets(params)
-    listings: list[Listing] = [list_dataset(spec.root) for spec in specs]
+    specs, listings = _list_datasets(params)
     snapshot = Snapshot(cache_path) if cache_path is not None else None
     key = fingerprint(params, specs, listings) if snapshot is not None else ""
     last = snapshot.load(key) if snapshot is not None else None
@@ -180,8 +183,7 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
     else:
         rows, report = _scan_listed(params, specs, listings, cache_path, True, start)
         data = manifest_bytes(rows)
-        # Not when a row's reason depends on permissions rather than bytes: a chmod leaves stat keys unchanged.
-        if snapshot is not None and not any(r.reason in _ENVIRONMENT_REASONS for r in rows):
+        if snapshot is not None and not any(r.reason in ENVIRONMENT_REASONS for r in rows):
             snapshot.save(key, data, report)
     write_bytes_atomic(manifest_path, data)
     write_json_atomic(report_path, report)
