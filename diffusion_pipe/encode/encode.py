@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_ui
 from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import adapter_class
-from diffusion_pipe.models.base import Adapter
+from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import DTYPES, dtype_name, resolve_device, resolve_model_dir
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
@@ -178,21 +178,18 @@ def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path]
         _PixelSet(items), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if encode.workers else None,
     )
-    done = 0
-    with store.writer("latent", pack_bytes=encode.pack_bytes) as writer, \
-            tqdm(total=len(todo), desc="encode latents", unit="item", file=sys.stderr) as bar:
-        background = _BackgroundAdd(writer)
-        try:
-            for pixels_uint8 in loader:
-                pixels = to_unit_range(pixels_uint8.to(device, non_blocking=True))
-                with torch.no_grad():
-                    entries = adapter.encode_media(vae, pixels)
-                background.add([(s.latent_key, e) for s, e in zip(todo[done:done + len(entries)], entries)])
-                done += len(entries)
-                bar.update(len(entries))
-        finally:
-            background.close()
-    return writer.written, writer.packs, time.perf_counter() - started
+
+    def batches():
+        done = 0
+        for pixels_uint8 in loader:
+            pixels = to_unit_range(pixels_uint8.to(device, non_blocking=True))
+            with torch.no_grad():
+                entries = adapter.encode_media(vae, pixels)
+            yield [(s.latent_key, e) for s, e in zip(todo[done:done + len(entries)], entries)]
+            done += len(entries)
+
+    written, packs = _publish(store, "latent", encode, batches(), len(todo), "encode latents", "item")
+    return written, packs, time.perf_counter() - started
 
 
 def _encode_texts(adapter: Adapter, todo: dict[str, str], store: Store, encode: EncodeParams,
@@ -202,19 +199,32 @@ def _encode_texts(adapter: Adapter, todo: dict[str, str], store: Store, encode: 
     encoders = adapter.load_text_encoders(device)
     started = time.perf_counter()
     keys = sorted(todo)
-    with store.writer("text", pack_bytes=encode.pack_bytes) as writer, \
-            tqdm(total=len(keys), desc="encode text", unit="caption", file=sys.stderr) as bar:
+
+    def batches():
+        for i in range(0, len(keys), encode.batch_size):
+            chunk = keys[i:i + encode.batch_size]
+            with torch.no_grad():
+                entries = adapter.encode_text(encoders, [todo[k] for k in chunk], encode.text_max_length)
+            yield list(zip(chunk, entries))
+
+    written, packs = _publish(store, "text", encode, batches(), len(keys), "encode text", "caption")
+    return written, packs, time.perf_counter() - started
+
+
+def _publish(store: Store, family: str, encode: EncodeParams, batches: Iterator[list[tuple[str, TensorDict]]],
+             total: int, desc: str, unit: str) -> tuple[int, list[str]]:
+    """Write the (key, entry) batches that `batches` computes into the store, through a background writer and
+    with a progress bar; returns (entries written, pack ids published)."""
+    with store.writer(family, pack_bytes=encode.pack_bytes) as writer, \
+            tqdm(total=total, desc=desc, unit=unit, file=sys.stderr) as bar:
         background = _BackgroundAdd(writer)
         try:
-            for i in range(0, len(keys), encode.batch_size):
-                chunk = keys[i:i + encode.batch_size]
-                with torch.no_grad():
-                    entries = adapter.encode_text(encoders, [todo[k] for k in chunk], encode.text_max_length)
-                background.add(list(zip(chunk, entries)))
-                bar.update(len(chunk))
+            for batch in batches:
+                background.add(batch)
+                bar.update(len(batch))
         finally:
             background.close()
-    return writer.written, writer.packs, time.perf_counter() - started
+    return writer.written, writer.packs
 
 
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
