@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,33 @@ def run_env(store: Path) -> dict[str, str]:
     return env
 
 
-def make_pipeline_repo(dest: Path, store: Path, params_edits: dict[str, str] | None = None) -> Path:
-    """Copy the pipeline into `dest`, make it a git + DVC repo, and apply text edits to params.yaml."""
+def run_checked(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a command; on failure, fail the test with the command's own output (its last 4000 characters), which
+    `check=True` with captured output would hide."""
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        pytest.fail(f"exit {out.returncode}: {' '.join(map(str, cmd))}\n--- stdout ---\n{out.stdout[-4000:]}"
+                    f"\n--- stderr ---\n{out.stderr[-4000:]}", pytrace=False)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """`torch.distributed.run` with `nproc` local workers; `--standalone` lets the rendezvous store bind a port
+    the OS picks, so no port is chosen here and then raced for by other jobs on the machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def make_pipeline_repo(dest: Path, store: Path, params_edits: dict[str, str] | None = None,
+                       dvc: bool = True) -> Path:
+    """Copy the pipeline into `dest`, make it a git (+ DVC unless not `dvc`) repo, and apply text edits to
+    params.yaml."""
     for name in PIPELINE_FILES:
         src = REPO / name
         if src.is_dir():
@@ -40,7 +66,8 @@ def make_pipeline_repo(dest: Path, store: Path, params_edits: dict[str, str] | N
     (dest / "params.yaml").write_text(params)
     env = run_env(store)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True, env=env)
-    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=dest, check=True, env=env)
+    if dvc:
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=dest, check=True, env=env)
     return dest
 
 

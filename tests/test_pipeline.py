@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from diffusion_pipe.train.pipeline import free_port
-
-from tests.conftest import make_pipeline_repo, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, torchrun
 from tests.encode.helpers import reproduce
 
 FAST = {"steps: 120": "steps: 60", "eval_every_steps: 40": "eval_every_steps: 0"}
@@ -79,14 +76,12 @@ def test_exported_lora_loads_in_diffusers_and_changes_output(pipeline):
     assert set(lineage["dvc_lock"]) >= {"scan", "encode", "train"}
 
 
-def train_losses(repo: Path, store: Path, params: str, nproc: int, out: Path) -> list[float]:
-    """Run the train stage on `nproc` CPU processes (gloo) and return its loss per step."""
-    launch = [sys.executable, "-m", "stages.train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-        "-m", "stages.train"]
-    subprocess.run([*launch, "--params", params, "--out", str(out), "--report", str(out / "r.json"),
-                    "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs")], cwd=repo,
-                   env=run_env(store), check=True, capture_output=True, timeout=600)
+def train_losses(repo: Path, store: Path, params: str, nproc: int, out: Path, *extra: str) -> list[float]:
+    """Run the train stage on `nproc` CPU processes (gloo), with `extra` arguments, and return its loss per step."""
+    launch = [sys.executable, "-m", "stages.train"] if nproc == 1 else [*torchrun(nproc), "-m", "stages.train"]
+    run_checked([*launch, "--params", params, "--out", str(out), "--report", str(out / "r.json"),
+               "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs"), *extra], cwd=repo,
+                env=run_env(store))
     return loss_plot(out, "loss")
 
 
@@ -96,8 +91,9 @@ def loss_plot(out: Path, column: str) -> list[float]:
         return [float(r[column]) for r in csv.DictReader(fh)]
 
 
-def layout_params(repo: Path, name: str, stages: int, steps: int) -> str:
+def layout_params(repo: Path, name: str, stages: int, steps: int, schedule: str = "cosine") -> str:
     text = (repo / "params.yaml").read_text().replace("steps: 60", f"steps: {steps}")
+    text = text.replace("lr_scheduler: cosine", f"lr_scheduler: {schedule}")
     # a tight clipping norm, so every step clips and the norm must span both stages' gradients to match
     (repo / name).write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}\n  max_grad_norm: 0.01"))
     return name
@@ -113,6 +109,20 @@ def test_two_pipeline_stages_match_one(pipeline, tmp_path):
     assert one == pytest.approx(two, abs=1e-5)
     assert loss_plot(tmp_path / "p1", "grad_norm") == pytest.approx(loss_plot(tmp_path / "p2", "grad_norm"),
                                                                    rel=1e-4)
+
+
+def test_two_stage_run_resumes_exactly(pipeline, tmp_path):
+    """A 2-stage run continued from its checkpoint gives the losses of a run never stopped: each stage restores
+    its own LoRA weights, fp32 masters, Adam moments, loss scale and data position. (The schedule is constant
+    after warmup, so the 3-step run's learning rates are the first 3 of the 6-step run's.)"""
+    repo, store, _ = pipeline
+    whole = train_losses(repo, store, layout_params(repo, "r6.yaml", 2, 6, "constant"), 2, tmp_path / "whole")
+    train_losses(repo, store, layout_params(repo, "r3.yaml", 2, 3, "constant"), 2, tmp_path / "part")
+    (source,) = (tmp_path / "part/runs/checkpoints").iterdir()
+    resumed = train_losses(repo, store, "r6.yaml", 2, tmp_path / "resumed", "--resume-from", str(source))
+    assert json.loads((tmp_path / "resumed/r.json").read_text())["resumed_from"] == 3
+    assert len(whole) == 6 and resumed == whole
+    assert loss_plot(tmp_path / "resumed", "grad_norm") == loss_plot(tmp_path / "whole", "grad_norm")
 
 
 def test_pipeline_times_data_parallel(pipeline, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,27 +27,27 @@ class Dist:
     device: torch.device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device_name: str) -> Dist:
     """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU."""
     use_cuda = resolve_device(device_name, "train.device").type == "cuda"
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "RANK" not in os.environ:  # a plain `python -m stages.train`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
     import deepspeed
+
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" not in os.environ and not torch.distributed.is_initialized():
+        # A plain `python -m stages.train`: a world of one, over an in-process store. No TCP port is picked, so
+        # none can be taken by another job between picking and binding it.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if use_cuda:
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
     if not use_cuda:
         # DeepSpeed builds a C++ shared-memory op on CPU at init (about a minute on a fresh machine); gloo does
         # not need it. The module name clashes with torch, hence importlib.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import run_env
+from tests.conftest import run_checked, run_env
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
 
@@ -48,9 +48,12 @@ def encode_counts(repo: Path) -> dict[str, dict[str, int]]:
 
 def run_stage(repo: Path, store: Path, stage: str, *args: str, env: dict[str, str] | None = None,
               check: bool = True) -> subprocess.CompletedProcess[str]:
-    """`python -m stages.<stage> ARGS` in `repo` with `store` as the store."""
-    return subprocess.run([sys.executable, "-m", f"stages.{stage}", *args], cwd=repo, env=env or run_env(store),
-                          capture_output=True, text=True, check=check, timeout=300)
+    """`python -m stages.<stage> ARGS` in `repo` with `store` as the store; with `check`, a failure fails the test
+    with the stage's output."""
+    cmd, env = [sys.executable, "-m", f"stages.{stage}", *args], env or run_env(store)
+    if check:
+        return run_checked(cmd, repo, env, timeout=300)
+    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
 
 def git(repo: Path, *args: str) -> str:

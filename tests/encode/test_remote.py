@@ -12,8 +12,7 @@ import pytest
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.store import StoreError
 from diffusion_pipe.store.remote import resolve_remote
-from diffusion_pipe.train.pipeline import free_port
-from tests.conftest import make_pipeline_repo
+from tests.conftest import free_port, make_pipeline_repo
 from tests.encode.helpers import dvc, encode_counts, git, reproduce, run_stage
 
 FAST_TRAIN = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 0"}
