@@ -91,11 +91,14 @@ def loss_plot(out: Path, column: str) -> list[float]:
         return [float(r[column]) for r in csv.DictReader(fh)]
 
 
-def layout_params(repo: Path, name: str, stages: int, steps: int, schedule: str = "cosine") -> str:
+def layout_params(repo: Path, name: str, stages: int, steps: int, schedule: str = "cosine", **train) -> str:
+    """A params file of `stages` pipeline stages and `steps` steps, with more `train` params."""
     text = (repo / "params.yaml").read_text().replace("steps: 60", f"steps: {steps}")
     text = text.replace("lr_scheduler: cosine", f"lr_scheduler: {schedule}")
     # a tight clipping norm, so every step clips and the norm must span both stages' gradients to match
-    (repo / name).write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}\n  max_grad_norm: 0.01"))
+    more = "".join(f"\n  {k}: {v}" for k, v in train.items())
+    text = text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}\n  max_grad_norm: 0.01{more}")
+    (repo / name).write_text(text)
     return name
 
 
@@ -113,11 +116,14 @@ def test_two_pipeline_stages_match_one(pipeline, tmp_path):
 
 def test_two_stage_run_resumes_exactly(pipeline, tmp_path):
     """A 2-stage run continued from its checkpoint gives the losses of a run never stopped: each stage restores
-    its own LoRA weights, fp32 masters, Adam moments, loss scale and data position. (The schedule is constant
-    after warmup, so the 3-step run's learning rates are the first 3 of the 6-step run's.)"""
+    its own LoRA weights, fp32 masters, Adam moments, loss scale, RNG states (LoRA dropout is on) and data
+    position. (The schedule is constant after warmup, so the 3-step run's learning rates are the first 3 of the
+    6-step run's.)"""
     repo, store, _ = pipeline
-    whole = train_losses(repo, store, layout_params(repo, "r6.yaml", 2, 6, "constant"), 2, tmp_path / "whole")
-    train_losses(repo, store, layout_params(repo, "r3.yaml", 2, 3, "constant"), 2, tmp_path / "part")
+    whole = train_losses(repo, store, layout_params(repo, "r6.yaml", 2, 6, "constant", lora_dropout=0.2), 2,
+                         tmp_path / "whole")
+    train_losses(repo, store, layout_params(repo, "r3.yaml", 2, 3, "constant", lora_dropout=0.2), 2,
+                 tmp_path / "part")
     (source,) = (tmp_path / "part/runs/checkpoints").iterdir()
     resumed = train_losses(repo, store, "r6.yaml", 2, tmp_path / "resumed", "--resume-from", str(source))
     assert json.loads((tmp_path / "resumed/r.json").read_text())["resumed_from"] == 3

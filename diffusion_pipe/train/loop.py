@@ -33,7 +33,7 @@ from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
 from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
 from diffusion_pipe.train.swap import apply_block_swap
-from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed, pipeline_stage
+from diffusion_pipe.train.pipeline import Dist, build_pipeline_module, init_distributed, pipeline_stage
 
 
 def lr_lambda(train: TrainParams):
@@ -175,7 +175,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         _, client = engine.load_checkpoint(str(source), load_module_strict=False)
         state = client["state"]
         state.setdefault("grad_norms", [None] * len(state["losses"]))  # checkpoints written before they were kept
-        torch.set_rng_state(client["torch_rng"])
+        _restore_rng(client, dist)
     if dist.rank == 0:
         write_json_atomic(checkpoint_dir / "identity.json", identity)
 
@@ -202,7 +202,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
     def save_checkpoint() -> None:
         nonlocal last_save
-        client = {"state": state, "torch_rng": torch.get_rng_state()}
+        client = {"state": state, "rng": _gather_rng(dist)}
         engine.save_checkpoint(str(checkpoint_dir), tag=f"step{state['step']}", client_state=client,
                                exclude_frozen_parameters=True)
         last_save = time.monotonic()
@@ -366,6 +366,30 @@ def _annotated(name: str, fn):
         with torch.profiler.record_function(name):
             return fn(self, *args, **kwargs)
     return run
+
+
+def _gather_rng(dist: Dist) -> list[dict]:
+    """Every rank's RNG states (CPU, and CUDA on GPUs: LoRA dropout draws there), by global rank: a stage's
+    checkpoint file is written by one rank of the stage but read by all of its data-parallel ranks."""
+    mine = {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.type == "cuda" else None}
+    if dist.world == 1:
+        return [mine]
+    states: list = [None] * dist.world
+    torch.distributed.all_gather_object(states, mine)
+    return states
+
+
+def _restore_rng(client: dict, dist: Dist) -> None:
+    """This rank's RNG states from a checkpoint's client state (or the CPU state alone that older checkpoints
+    kept); a checkpoint of another world size (--force) gives each rank the state of rank `rank % its world`."""
+    if "rng" not in client:
+        torch.set_rng_state(client["torch_rng"])
+        return
+    mine = client["rng"][dist.rank % len(client["rng"])]
+    torch.set_rng_state(mine["cpu"])
+    if dist.device.type == "cuda" and mine["cuda"] is not None:
+        torch.cuda.set_rng_state(mine["cuda"], dist.device)
 
 
 def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:

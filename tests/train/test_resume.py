@@ -16,7 +16,9 @@ import pytest
 from tests.conftest import make_pipeline_repo, run_env
 
 STEPS = 30
-PARAMS = {"steps: 120": f"steps: {STEPS}", "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3"}
+# LoRA dropout on: the RNG state must resume too
+PARAMS = {"steps: 120": f"steps: {STEPS}",
+          "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3\n  lora_dropout: 0.1"}
 
 
 @pytest.fixture(scope="module")
