@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -209,16 +210,18 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         if train.keep_checkpoints and dist.local_rank == 0:
             _prune_checkpoints(checkpoint_dir, train.keep_checkpoints)
 
-    def checkpoint_due() -> bool:
-        if train.checkpoint_every_steps and state["step"] % train.checkpoint_every_steps == 0:
-            return True
-        if not train.checkpoint_every_minutes:
-            return False
-        # every rank must save together: rank 0's clock decides
-        due = torch.tensor([int(time.monotonic() - last_save >= 60 * train.checkpoint_every_minutes)],
-                           dtype=torch.int32, device=dist.device)
-        torch.distributed.broadcast(due, src=0)
-        return bool(due.item())
+    def after_step() -> tuple[bool, int | None]:
+        """(save a checkpoint now, the stop signal to exit with): the same answer on every rank, which must
+        save together. Rank 0's clock decides the minutes; any rank's signal stops them all."""
+        by_steps = bool(train.checkpoint_every_steps) and state["step"] % train.checkpoint_every_steps == 0
+        by_time = (bool(train.checkpoint_every_minutes) and dist.rank == 0
+                   and time.monotonic() - last_save >= 60 * train.checkpoint_every_minutes)
+        if dist.world == 1:
+            return by_steps or by_time or stops.signal is not None, stops.signal
+        flags = torch.tensor([int(by_time), stops.signal or 0], dtype=torch.int32, device=dist.device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        by_time, signum = (int(x) for x in flags.tolist())
+        return by_steps or bool(by_time) or bool(signum), signum or None
 
     writer = None
     if is_reporter:
@@ -237,6 +240,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                disable=not is_reporter)
     step_seconds: list[float] = []
     profiler = _Profiler(os.environ.get("DIFFUSION_PIPE_PROFILE"), first_step=state["step"], engine=engine)
+    stops = _StopSignals(announce=is_reporter)
     try:
         while state["step"] < train.steps:
             step_started = time.perf_counter()
@@ -263,14 +267,18 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                       state["step"])
             if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
                 evaluate(state["step"])
-            if checkpoint_due():
+            save_now, signum = after_step()
+            if save_now:
                 save_checkpoint()
-    except KeyboardInterrupt:
-        save_checkpoint()
-        print(f"\ntrain: interrupted; checkpoint saved at step {state['step']} in {checkpoint_dir}; "
-              "run the stage again to resume", file=sys.stderr)
-        raise
+            if signum is not None:
+                if is_reporter:
+                    print(f"train: stopped by {signal.Signals(signum).name}; checkpoint saved at step "
+                          f"{state['step']} in {checkpoint_dir}; run the stage again to resume", file=sys.stderr)
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(128 + signum)
     finally:
+        stops.close()
         bar.close()
         loader.close()
         profiler.close()
@@ -366,6 +374,39 @@ def _annotated(name: str, fn):
         with torch.profiler.record_function(name):
             return fn(self, *args, **kwargs)
     return run
+
+
+class _StopSignals:
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, torchrun passing on its own) during training are
+    noted and acted on between steps, so a checkpoint never holds half a step: RNG draws made, or an optimizer
+    update applied to some tensors and not others. The same signal again stops at once, without a checkpoint
+    (Ctrl-C under torchrun brings the terminal's SIGINT and torchrun's SIGTERM: that is still one request)."""
+
+    def __init__(self, announce: bool) -> None:
+        self.signal: int | None = None
+        self.announce = announce
+        self._previous: dict[int, object] = {}
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._note)
+        except ValueError:  # not the main thread: signals stay as they were
+            self.close()
+
+    def _note(self, signum: int, frame) -> None:
+        if self.signal == signum:
+            self.close()
+            raise KeyboardInterrupt
+        if self.signal is not None:
+            return
+        self.signal = signum
+        if self.announce:
+            print(f"\ntrain: {signal.Signals(signum).name}: stopping after this step with a checkpoint (again: "
+                  "stop now, without one)", file=sys.stderr)
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
 
 def _gather_rng(dist: Dist) -> list[dict]:
