@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -120,30 +121,49 @@ def test_two_pipeline_stages_match_one(pipeline, tmp_path):
                                                                    rel=1e-4)
 
 
-def test_two_stage_run_stopped_by_sigterm_resumes_exactly(pipeline, tmp_path):
-    """SIGTERM to torchrun (what a scheduler preempting the job sends; torchrun passes it on): both stages finish
-    the step, agree, save a checkpoint and exit. Run again, the run resumes by itself and gives the losses of a run
-    never stopped: each stage restores its own LoRA weights, fp32 masters, Adam moments, RNG states (LoRA dropout
-    is on) and data position."""
+SIGNAL_STEPS = 40  # the signal comes at the first checkpoint (step 2): the run must still be going then
+
+
+@pytest.fixture(scope="module")
+def two_stage_whole(pipeline, tmp_path_factory):
+    """A 2-stage run with LoRA dropout that is never stopped: its params file and output directory."""
     repo, store, _ = pipeline
-    params = layout_params(repo, "r.yaml", 2, 12, lora_dropout=0.2, checkpoint_every_steps=2)
-    whole = train_losses(repo, store, params, 2, tmp_path / "whole")
+    params = layout_params(repo, "r.yaml", 2, SIGNAL_STEPS, lora_dropout=0.2, checkpoint_every_steps=2)
+    out = tmp_path_factory.mktemp("whole")
+    train_losses(repo, store, params, 2, out)
+    return params, out
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm-to-torchrun", "ctrl-c"])
+def test_two_stage_run_stopped_by_a_signal_resumes_exactly(pipeline, two_stage_whole, tmp_path, ctrl_c):
+    """SIGTERM to torchrun (what a scheduler preempting the job sends; torchrun passes it on), or Ctrl-C (SIGINT
+    to the whole process group, which torchrun passes on again): both stages finish the step, agree, save a
+    checkpoint and exit. Run again, the run resumes by itself and gives the losses of a run never stopped: each
+    stage restores its own LoRA weights, fp32 masters, Adam moments, RNG states (LoRA dropout is on) and data
+    position."""
+    repo, store, _ = pipeline
+    params, whole = two_stage_whole
     out = tmp_path / "stopped"
     with open(tmp_path / "stopped.log", "w") as log:
-        proc = subprocess.Popen(train_cmd(params, 2, out), cwd=repo, env=run_env(store), stdout=log, stderr=log)
+        proc = subprocess.Popen(train_cmd(params, 2, out), cwd=repo, env=run_env(store), stdout=log, stderr=log,
+                                start_new_session=True)
         deadline = time.monotonic() + 300
         while not list(out.glob("runs/checkpoints/*/latest")):
             assert proc.poll() is None, (tmp_path / "stopped.log").read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: torchrun and both workers get it
+        else:
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) != 0
     assert not (out / "loss.csv").exists(), "the run ended before the signal; give it more steps"
-    assert "stopped by SIGTERM; checkpoint saved at step" in (tmp_path / "stopped.log").read_text()
+    name = "SIGINT" if ctrl_c else "SIGTERM"
+    assert f"stopped by {name}; checkpoint saved at step" in (tmp_path / "stopped.log").read_text()
     resumed = train_losses(repo, store, params, 2, out)
-    assert 2 <= json.loads((out / "r.json").read_text())["resumed_from"] < 12
-    assert len(whole) == 12 and resumed == whole
-    assert loss_plot(out, "grad_norm") == loss_plot(tmp_path / "whole", "grad_norm")
+    assert 2 <= json.loads((out / "r.json").read_text())["resumed_from"] < SIGNAL_STEPS
+    assert len(resumed) == SIGNAL_STEPS and resumed == loss_plot(whole, "loss")
+    assert loss_plot(out, "grad_norm") == loss_plot(whole, "grad_norm")
 
 
 def test_pipeline_times_data_parallel(pipeline, tmp_path):

@@ -377,14 +377,16 @@ def _annotated(name: str, fn):
 
 
 class _StopSignals:
-    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, torchrun passing on its own) during training are
-    noted and acted on between steps, so a checkpoint never holds half a step: RNG draws made, or an optimizer
-    update applied to some tensors and not others. The same signal again stops at once, without a checkpoint
-    (Ctrl-C under torchrun brings the terminal's SIGINT and torchrun's SIGTERM: that is still one request)."""
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption) during training are noted and acted on between steps,
+    so a checkpoint never holds half a step: RNG draws made, or an optimizer update applied to some tensors and
+    not others. Signals within `same_request_s` of the first are that same request: one Ctrl-C reaches a worker
+    twice under a launcher, from the terminal and passed on by torchrun (SIGINT) or the DeepSpeed launcher
+    (SIGTERM). A signal after that stops at once, without a checkpoint."""
 
-    def __init__(self, announce: bool) -> None:
+    def __init__(self, announce: bool, same_request_s: float = 2.0) -> None:
         self.signal: int | None = None
-        self.announce = announce
+        self.announce, self.same_request_s = announce, same_request_s
+        self._first = 0.0
         self._previous: dict[int, object] = {}
         try:
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -393,15 +395,14 @@ class _StopSignals:
             self.close()
 
     def _note(self, signum: int, frame) -> None:
-        if self.signal == signum:
+        if self.signal is None:
+            self.signal, self._first = signum, time.monotonic()
+            if self.announce:
+                print(f"\ntrain: {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                      "(again: stop now, without one)", file=sys.stderr)
+        elif time.monotonic() - self._first >= self.same_request_s:
             self.close()
             raise KeyboardInterrupt
-        if self.signal is not None:
-            return
-        self.signal = signum
-        if self.announce:
-            print(f"\ntrain: {signal.Signals(signum).name}: stopping after this step with a checkpoint (again: "
-                  "stop now, without one)", file=sys.stderr)
 
     def close(self) -> None:
         for signum, handler in self._previous.items():
