@@ -35,19 +35,6 @@ def init_distributed(device_name: str) -> Dist:
     import deepspeed
 
     backend = "nccl" if use_cuda else "gloo"
-    if "RANK" not in os.environ and not torch.distributed.is_initialized():
-        # A plain `python -m stages.train`: a world of one, over an in-process store. No TCP port is picked, so
-        # none can be taken by another job between picking and binding it.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        if use_cuda:
-            torch.cuda.set_device(0)
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-
-    if not use_cuda:
-        # DeepSpeed builds a C++ shared-memory op on CPU at init (about a minute on a fresh machine); gloo does
-        # not need it. The module name clashes with torch, hence importlib.
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -56,6 +43,17 @@ def init_distributed(device_name: str) -> Dist:
         torch.backends.cuda.enable_cudnn_sdp(False)
         # The fp32 LoRA matmuls may use TF32 tensor cores; the frozen base runs in its own dtype.
         torch.backends.cuda.matmul.allow_tf32 = True
+    if "RANK" not in os.environ and not torch.distributed.is_initialized():
+        # A plain `python -m stages.train`: a world of one, over an in-process store. No TCP port is picked, so
+        # none can be taken by another job between picking and binding it.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+    if not use_cuda:
+        # DeepSpeed builds a C++ shared-memory op on CPU at init (about a minute on a fresh machine); gloo does
+        # not need it. The module name clashes with torch, hence importlib.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
                 device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
 
