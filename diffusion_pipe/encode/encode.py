@@ -30,7 +30,7 @@ from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import adapter_class
 from diffusion_pipe.models.base import Adapter, TensorDict
-from diffusion_pipe.models.common import DTYPES, dtype_name, resolve_device, resolve_model_dir
+from diffusion_pipe.models.common import DTYPES, resolve_device, resolve_model_dir
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote

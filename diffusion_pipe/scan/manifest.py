@@ -21,7 +21,6 @@ The parquet file holds only input-derived values (no mtime, inode, absolute path
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
