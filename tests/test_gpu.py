@@ -4,14 +4,10 @@ float16 (dynamic loss scaling), with per-layer torch.compile, time-based checkpo
 
 from __future__ import annotations
 
-import csv
-import json
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import train_example
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -21,17 +17,11 @@ STEPS = 40
 
 @pytest.mark.parametrize("dtype,compile_layers", [("bfloat16", False), ("float16", False), ("bfloat16", True)])
 def test_example_trains_on_gpu(tmp_path, dtype, compile_layers):
-    store = tmp_path / "store"
-    repo = make_pipeline_repo(tmp_path / "repo", store, {
+    repo, report, rows = train_example(tmp_path, {
         "dtype: float32": f"dtype: {dtype}", "steps: 120": f"steps: {STEPS}",
         # a save whenever 6 ms have passed since the last one: about every step; only the newest 2 are kept
         "eval_every_steps: 40": "eval_every_steps: 0\n  device: cuda\n  checkpoint_every_minutes: 0.0001\n"
                                 f"  keep_checkpoints: 2\n  compile: {str(compile_layers).lower()}"}, dvc=False)
-    for stage in ("scan", "encode", "train"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
-    report = json.loads((repo / "reports/train.json").read_text())
-    with open(repo / "reports/train_loss.csv") as fh:
-        rows = list(csv.DictReader(fh))
     losses = [float(r["loss"]) for r in rows]
     # unscaled losses of the size the fp32 CPU run reports (about 1), which fall; finite gradient norms
     assert len(losses) == STEPS and all(0.05 < x < 5 for x in losses)

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from diffusion_pipe.store import Store
-from tests.conftest import make_pipeline_repo, run_env, torchrun
+from tests.conftest import make_pipeline_repo, run_checked, run_env, torchrun
 from tests.encode.helpers import run_stage
 
 # Tiny packs (about one entry each) and batches of one: many publications, so a kill lands between them.
@@ -97,11 +97,7 @@ def test_two_encoders_on_one_store_at_once(tmp_path: Path) -> None:
 
 def test_two_workers_under_torchrun_split_the_missing_keys(tmp_path: Path) -> None:
     repo, store_dir = _scanned_repo(tmp_path)
-    result = subprocess.run(
-        [*torchrun(2), "-m", "stages.encode"],
-        cwd=repo, env=run_env(store_dir), capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_checked([*torchrun(2), "-m", "stages.encode"], cwd=repo, env=run_env(store_dir), timeout=300)
     report = json.loads((repo / "reports/encode.json").read_text())
     assert report["workers"] == 2
     for fam in ("latent", "text"):

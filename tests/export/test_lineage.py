@@ -19,7 +19,7 @@ from diffusion_pipe.export.verify import diff_lineage
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.models.flux import FluxAdapter
 
-from tests.conftest import make_pipeline_repo, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env
 
 FAST = {"steps: 120": "steps: 6", "eval_every_steps: 40": "eval_every_steps: 0",
         "name: shapes-lora": "name: shapes-lora\n  merged: true"}
@@ -28,7 +28,7 @@ ARTIFACTS = ("shapes-lora.diffusers.safetensors", "shapes-lora.comfyui.safetenso
 
 
 def run(args: list[str], cwd: Path, store: Path) -> None:
-    subprocess.run(args, cwd=cwd, env=run_env(store), check=True, capture_output=True, timeout=300)
+    run_checked(args, cwd=cwd, env=run_env(store), timeout=300)
 
 
 @pytest.fixture(scope="module")

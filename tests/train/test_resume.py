@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_pipeline_repo, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env
 
 STEPS = 30
 # LoRA dropout on: the RNG state must resume too
@@ -27,8 +27,7 @@ def encoded_repo(tmp_path_factory):
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, PARAMS)
     for stage in ("scan", "encode"):
-        subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store), check=True,
-                       capture_output=True)
+        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
     return repo, store
 
 
@@ -37,7 +36,7 @@ def whole(encoded_repo, tmp_path_factory):
     """The run that is never stopped."""
     repo, store = encoded_repo
     runs = tmp_path_factory.mktemp("whole")
-    subprocess.run(train_cmd(runs), cwd=repo, env=run_env(store), check=True, capture_output=True)
+    run_checked(train_cmd(runs), cwd=repo, env=run_env(store))
     return runs
 
 
@@ -70,7 +69,7 @@ def test_resumed_run_matches_uninterrupted(encoded_repo, whole, tmp_path, sig):
     broken = tmp_path / "broken"
     stop_after_first_checkpoint(train_cmd(broken), repo, store, sig)
     assert not (broken / "out" / "lora.safetensors").exists()
-    subprocess.run(train_cmd(broken), cwd=repo, env=run_env(store), check=True, capture_output=True)
+    run_checked(train_cmd(broken), cwd=repo, env=run_env(store))
     report = json.loads((broken / "report.json").read_text())
     assert report["resumed_from"] is not None and 0 < report["resumed_from"] < STEPS
     assert losses(broken) == losses(whole)
@@ -91,7 +90,7 @@ def test_resume_from_another_run_refuses_changed_data_unless_forced(encoded_repo
     assert refused.returncode == 2
     assert "refusing to resume, since the encoded table (hash" in refused.stderr
     assert "pass --force" in refused.stderr
-    subprocess.run([*cmd, "--force"], cwd=repo, env=run_env(store), check=True, capture_output=True)
+    run_checked([*cmd, "--force"], cwd=repo, env=run_env(store))
     report = json.loads((runs / "report.json").read_text())
     assert report["resumed_from"] == STEPS
 
@@ -106,11 +105,9 @@ def test_checkpoints_by_time_and_pruning(encoded_repo, tmp_path):
         "  keep_checkpoints: 2"))
     (tmp_path / "plain.yaml").write_text(params)
     runs = tmp_path / "runs"
-    subprocess.run([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo, env=run_env(store),
-                   check=True, capture_output=True)
+    run_checked([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo, env=run_env(store))
     (run_dir,) = (runs / "checkpoints").iterdir()
     assert sorted(p.name for p in run_dir.glob("step*")) == ["step5", "step6"]
     assert (run_dir / "latest").read_text().strip() == "step6"
-    again = subprocess.run([*train_cmd(runs), "--params", str(tmp_path / "plain.yaml")], cwd=repo,
-                           env=run_env(store), check=True, capture_output=True)
+    again = run_checked([*train_cmd(runs), "--params", str(tmp_path / "plain.yaml")], cwd=repo, env=run_env(store))
     assert json.loads((runs / "report.json").read_text())["resumed_from"] == 6, again.stderr[-2000:]
