@@ -34,7 +34,8 @@ from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
 from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
 from diffusion_pipe.train.swap import apply_block_swap
-from diffusion_pipe.train.pipeline import Dist, build_pipeline_module, init_distributed, pipeline_stage
+from diffusion_pipe.train.pipeline import (Dist, build_pipeline_module, check_dtype_supported, init_distributed,
+                                           pipeline_stage)
 
 
 def lr_lambda(train: TrainParams):
@@ -124,6 +125,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     import deepspeed
 
     dist = init_distributed(train.device)
+    check_dtype_supported(model.dtype)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
     check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffusion_pipe.models.common import resolve_device
-
+from diffusion_pipe.models.common import DTYPES, resolve_device
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,23 @@ def init_distributed(device_name: str) -> Dist:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
                 device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+
+
+def check_dtype_supported(dtype: str) -> None:
+    """Stop with an error naming `model.dtype` when DeepSpeed's accelerator cannot reduce gradients of that dtype
+    (its CPU backend has float16 only on processors with AVX512-FP16/AMX-FP16: elsewhere a float16 run would fail
+    at its first step with an AssertionError inside DeepSpeed)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.supported_dtypes()
+    if DTYPES[dtype] not in supported:
+        from diffusion_pipe.config import ConfigError
+
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ConfigError(f"model.dtype: {dtype} training is not supported on this {accelerator.device_name()} "
+                          f"(DeepSpeed's {accelerator.device_name()} backend reduces {names} gradients only); "
+                          "set model.dtype to bfloat16 or float32, or train on a GPU")
 
 
 def pipeline_stage(rank: int, num_stages: int, dp_world: int) -> int:
