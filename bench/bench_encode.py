@@ -154,7 +154,8 @@ def main() -> None:
 
     import torch
 
-    from diffusion_pipe.encode.encode import encode_manifest, load_adapter
+    from diffusion_pipe.encode.encode import encode_manifest
+    from diffusion_pipe.models import load_adapter
     from diffusion_pipe.models.common import resolve_device
     from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
     from diffusion_pipe.scan import scan_to_files

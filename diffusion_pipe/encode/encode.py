@@ -28,9 +28,9 @@ from diffusion_pipe.encode.keys import latent_key, text_key
 from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, parse_bucket, to_unit_range
 from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
-from diffusion_pipe.models import adapter_class
+from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
-from diffusion_pipe.models.common import DTYPES, resolve_device, resolve_model_dir
+from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
@@ -66,12 +66,6 @@ class Sample:
     @property
     def sample_id(self) -> str:
         return f"{self.dataset}/{self.path}@{self.bucket}"
-
-
-def load_adapter(model: ModelParams) -> Adapter:
-    """The family's adapter over the resolved model directory."""
-    return adapter_class(model.family)(resolve_model_dir(model.path), DTYPES[model.dtype],
-                                       expert=model.expert or None)
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import importlib
 
+from typing import TYPE_CHECKING
+
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.base import Adapter
+
+if TYPE_CHECKING:
+    from diffusion_pipe.params import ModelParams
 
 # name -> "module:Class"; the module's file stem equals the name (a registry test checks it).
 REGISTRY: dict[str, str] = {
@@ -25,3 +30,11 @@ def adapter_class(family: str) -> type[Adapter]:
         ) from None
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def load_adapter(model: ModelParams) -> Adapter:
+    """The family's adapter over the resolved model directory (a local diffusers folder or a hub id)."""
+    from diffusion_pipe.models.common import DTYPES, resolve_model_dir
+
+    return adapter_class(model.family)(resolve_model_dir(model.path), DTYPES[model.dtype],
+                                       expert=model.expert or None)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError, to_dict
-from diffusion_pipe.encode.encode import load_adapter
+from diffusion_pipe.models import load_adapter
 from diffusion_pipe.fileio import atomic_writer, write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams

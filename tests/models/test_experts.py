@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.encode.encode import load_adapter
+from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.wan import WanAdapter
 from diffusion_pipe.params import ModelParams
 
