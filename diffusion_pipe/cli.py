@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from diffusion_pipe.lineage.cli import lineage_cli
 from diffusion_pipe.models.cli import models_command
 from diffusion_pipe.store.cli import store_group
 from stages.encode import command as encode_command
@@ -28,6 +29,7 @@ main.add_command(train_command)
 main.add_command(export_command)
 main.add_command(models_command)
 main.add_command(store_group)
+main.add_command(lineage_cli)
 
 
 @main.command("make-tiny")
@@ -40,22 +42,3 @@ def make_tiny(family: str, out_dir: Path, seed: int) -> None:
 
     adapter_class(family).build_tiny(out_dir, seed=seed)
     click.echo(f"wrote a tiny {family} model to {out_dir}")
-
-
-@main.command("lineage")
-@click.argument("file", type=click.Path(exists=True, path_type=Path))
-@click.option("--verify", is_flag=True, help="Check the record against the repository and the store; exit 1 on drift.")
-@click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
-              help="The repository --verify checks against.")
-@click.option("--diff", "other", type=click.Path(exists=True, path_type=Path),
-              help="Compare with another export's lineage; exit 1 if they differ.")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw record.")
-def lineage(file: Path, verify: bool, repo: Path, other: Path | None, as_json: bool) -> None:
-    """Print the lineage record of an exported LoRA (FILE: a .safetensors, a lineage.json or a merged directory)."""
-    import sys
-
-    from diffusion_pipe.export.verify import lineage_command
-
-    text, status = lineage_command(file, verify=verify, repo=repo, other=other, as_json=as_json)
-    click.echo(text, nl=False, err=status == 2)
-    sys.exit(status)

@@ -20,8 +20,8 @@ importlib.import_module(f"stages.{stage}")
 lazy = {
     "scan": ["diffusion_pipe.scan"],
     "encode": ["diffusion_pipe.encode.encode", "diffusion_pipe.store"],
-    "train": ["diffusion_pipe.train.loop", "diffusion_pipe.store", "diffusion_pipe.export.lineage"],
-    "export": ["diffusion_pipe.export.lora", "diffusion_pipe.export.lineage"],
+    "train": ["diffusion_pipe.train.loop", "diffusion_pipe.store", "diffusion_pipe.lineage.record"],
+    "export": ["diffusion_pipe.export.lora", "diffusion_pipe.export.merge", "diffusion_pipe.lineage.record"],
 }[stage]
 for name in lazy:
     importlib.import_module(name)

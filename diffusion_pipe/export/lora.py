@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from diffusion_pipe.models import load_adapter
-from diffusion_pipe.export.lineage import METADATA_KEY, export_lineage, lineage_metadata
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.lineage.record import METADATA_KEY, export_lineage, lineage_metadata
+from diffusion_pipe.models import load_adapter
 from diffusion_pipe.params import Params
 from diffusion_pipe.tensorfile import save_deterministic
 

@@ -306,7 +306,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if is_reporter:
         lineage = None
         if lineage_params is not None:
-            from diffusion_pipe.export.lineage import checkpoint_lineage, encoded_store_keys
+            from diffusion_pipe.lineage.record import checkpoint_lineage, encoded_store_keys
 
             # only the deterministic part of the report: the LoRA's bytes must not depend on timings
             stable = {k: report[k] for k in ("run_id", "steps", "train_loss_last10", "eval_loss_start",
@@ -459,7 +459,7 @@ def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, t
         "lora_targets": json.dumps(targets),
     }
     if lineage is not None:
-        from diffusion_pipe.export.lineage import lineage_metadata
+        from diffusion_pipe.lineage.record import lineage_metadata
 
         metadata |= lineage_metadata(lineage)
     tensors = {k: v.float().contiguous() for k, v in sorted(lora.items())}

@@ -1,5 +1,5 @@
-"""Lineage: where a LoRA came from. Built by train (checkpoints) and export (every file it writes), stored in the
-safetensors metadata under `diffusion_pipe.lineage` and in a `lineage.json` beside the file.
+"""Lineage records: built by train (checkpoints) and export (every file it writes), stored in the safetensors
+metadata under `diffusion_pipe.lineage` and in a `lineage.json` beside the file.
 
 A record holds: the resolved params; the hashes of the manifest, the encoded table and the set of store keys
 trained on; the base model's weights hash per component; the `dvc.lock` entries; the git commit and dirty flag;
@@ -154,6 +154,22 @@ def export_lineage(params: Params, repo: Path, lora_path: Path, manifest_path: P
     record["inputs"]["lora"] = file_input(repo, lora_path)
     record["trained_lora"] = trained_lineage
     return record
+
+
+def flatten(obj: object, prefix: str = "") -> dict[str, object]:
+    """Dotted paths to leaf values: {"params": {"train": {"seed": 0}}} -> {"params.train.seed": 0}. Items of a
+    list of mappings or lists are indexed as `[i]`; a list of plain values is one leaf."""
+    if isinstance(obj, dict) and obj:
+        out: dict[str, object] = {}
+        for key in sorted(obj):
+            out.update(flatten(obj[key], f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        out = {}
+        for i, value in enumerate(obj):
+            out.update(flatten(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: obj}
 
 
 def lineage_metadata(record: dict) -> dict[str, str]:

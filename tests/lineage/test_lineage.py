@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from diffusion_pipe.cli import main
-from diffusion_pipe.export.lineage import METADATA_KEY, read_lineage
-from diffusion_pipe.export.verify import diff_lineage
+from diffusion_pipe.lineage.diff import diff_lineage
+from diffusion_pipe.lineage.record import METADATA_KEY, read_lineage
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.models.flux import FluxAdapter
 
@@ -232,8 +232,8 @@ def test_diffusers_export_loads_every_key_and_changes_the_output(pipeline):
 
 
 def test_checkpoint_lineage_for_the_train_stage(pipeline, monkeypatch):
-    from diffusion_pipe.export.lineage import checkpoint_lineage, encoded_store_keys, lineage_metadata
-    from diffusion_pipe.export.verify import verify_lineage
+    from diffusion_pipe.lineage.record import checkpoint_lineage, encoded_store_keys, lineage_metadata
+    from diffusion_pipe.lineage.verify import verify_lineage
     from diffusion_pipe.params import load_params
     from diffusion_pipe.store import Store
 

@@ -1,0 +1,135 @@
+"""`diffusion-pipe lineage --verify`: a lineage record checked against a repository and the store, item by item."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.lineage.record import STORE_FAMILIES, base_weights, encoded_store_keys, store_keys_record
+from diffusion_pipe.lineage.show import short_hash
+
+MAX_KEYS_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class Check:
+    """One item of `--verify`: what was checked, whether it matches the record, and what differs."""
+
+    item: str
+    ok: bool
+    detail: str = ""
+
+
+def _check_file(repo: Path, what: str, recorded: dict | None, fix: str) -> Check | None:
+    if recorded is None:
+        return None
+    path = repo / recorded["path"]
+    item = f"{what} {recorded['path']}"
+    if not path.is_file():
+        return Check(item, False, f"{path} is missing; {fix}")
+    actual = hash_file(path)
+    if actual != recorded["xxh3_128"]:
+        return Check(item, False, f"{path} hashes to {short_hash(actual)}, the lineage records "
+                                  f"{short_hash(recorded['xxh3_128'])}: it changed since; {fix}")
+    return Check(item, True)
+
+
+def _check_base_model(record: dict, repo: Path) -> list[Check]:
+    from diffusion_pipe.models.common import resolve_model_dir
+
+    base = record["base_model"]
+    local = repo / base["path"]
+    try:
+        directory = local.resolve() if local.is_dir() else resolve_model_dir(base["path"])
+    except FileNotFoundError as exc:
+        return [Check(f"base model {base['path']}", False, str(exc))]
+    try:
+        actual = base_weights(directory)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return [Check(f"base model {base['path']}", False, str(exc))]
+    checks = []
+    for component, recorded in sorted(base["weights"].items()):
+        item = f"base model component '{component}'"
+        got = actual.get(component)
+        if got is None:
+            checks.append(Check(item, False, f"{directory / component} has no weights; restore it"))
+        elif got != recorded:
+            checks.append(Check(item, False, f"{directory / component}: weights hash {short_hash(got)}, the lineage "
+                                             f"records {short_hash(recorded)}: the base weights were swapped or "
+                                             "changed; point model.path at the weights this LoRA was trained on"))
+        else:
+            checks.append(Check(item, True))
+    return checks
+
+
+def _check_store(keys: dict[str, list[str]], store) -> list[Check]:
+    from diffusion_pipe.store.pack import check_pack
+
+    checks = []
+    for family in STORE_FAMILIES:
+        wanted = keys[family]
+        missing = store.missing(family, wanted)
+        item = f"store {family} entries"
+        if missing:
+            shown = ", ".join(missing[:MAX_KEYS_SHOWN]) + (" ..." if len(missing) > MAX_KEYS_SHOWN else "")
+            checks.append(Check(item, False, f"{len(missing)} of {len(wanted)} {family} entries trained on are "
+                                             f"missing from the store at {store.root / family}: {shown}; re-run "
+                                             "`dvc repro encode` (or pull the store from its remote)"))
+            continue
+        wanted_set, bad = set(wanted), []
+        for pack_id, sidecar in sorted(store.packs(family).items()):
+            held = wanted_set.intersection(sidecar.entries)
+            if held:
+                reason = check_pack(store.pack_path(family, pack_id), sidecar, full_hash=True)
+                if reason is not None:
+                    bad.append(f"pack {pack_id} ({len(held)} of the entries): {reason}")
+        if bad:
+            checks.append(Check(item, False, "; ".join(bad) + "; quarantine them (Store.verify()) and re-run `dvc repro encode`"))
+        else:
+            checks.append(Check(item, True, f"{len(wanted)} present and intact"))
+    return checks
+
+
+def verify_lineage(record: dict, repo: Path, store=None, lineage_dir: Path | None = None) -> list[Check]:
+    """Check a lineage record against the repository and the store, item by item.
+
+    The manifest, encoded table and trained LoRA are re-hashed at their recorded paths under `repo`; the store
+    keys of the repository's encoded table are hashed and each looked up in `store` (default
+    `Store.default()`), its packs fully re-hashed (nothing is quarantined); the base model's components are
+    re-hashed. With `lineage_dir` (where a lineage.json lies), the exported files it lists are re-hashed too.
+    """
+    from diffusion_pipe.store import Store
+
+    repo = Path(repo)
+    inputs = record.get("inputs", {})
+    fix = "re-run `dvc repro` to retrain on the current state, or check out the commit the lineage records"
+    checks = [c for c in (_check_file(repo, "manifest", inputs.get("manifest"), fix),
+                          _check_file(repo, "encoded table", inputs.get("encoded"), fix),
+                          _check_file(repo, "trained LoRA", inputs.get("lora"), fix)) if c is not None]
+    encoded = inputs.get("encoded")
+    if encoded is not None and (repo / encoded["path"]).is_file():
+        keys = encoded_store_keys(repo / encoded["path"])
+        got = store_keys_record(keys)["xxh3_128"]
+        want = inputs["store_keys"]["xxh3_128"]
+        checks.append(Check("store key set", got == want, "" if got == want else
+                            f"the keys of {encoded['path']} hash to {short_hash(got)}, the lineage records "
+                            f"{short_hash(want)}: the table points at other store entries now"))
+        checks += _check_store(keys, store if store is not None else Store.default())
+    checks += _check_base_model(record, repo)
+    for name, digest in sorted(record.get("files", {}).items()) if lineage_dir is not None else ():
+        path = lineage_dir / name
+        actual = hash_file(path) if path.is_file() else None
+        checks.append(Check(f"exported file {name}", actual == digest, "" if actual == digest else
+                            (f"{path} is missing" if actual is None else
+                             f"{path} hashes to {short_hash(actual)}, the lineage records {short_hash(digest)}: it was "
+                             "modified after export; re-run `dvc repro export`")))
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    """One line per verified item, drift first-class: `DRIFT item: what differs and the fix`."""
+    lines = [f"{'ok   ' if c.ok else 'DRIFT'}  {c.item}{': ' + c.detail if c.detail else ''}" for c in checks]
+    drift = sum(not c.ok for c in checks)
+    lines.append(f"{drift} of {len(checks)} items drifted" if drift else f"all {len(checks)} items match")
+    return "\n".join(lines) + "\n"
