@@ -44,6 +44,8 @@ class DatasetParams:
     default_caption: str = ""
     caption_prefix: str = ""
     eval_fraction: float = 0.0
+    # Follow symlinks whose target lies outside `path` (off: such links are excluded rows, never read).
+    follow_outside_links: bool = False
 
     @property
     def manifest_name(self) -> str:

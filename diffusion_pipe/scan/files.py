@@ -1,9 +1,15 @@
 """Listing a dataset directory: media files and captions, with their stat keys, and what could not be read.
 
 Subdirectories are walked (names sorted, so the walk is the same everywhere); names starting with '.' are
-skipped, files and directories alike. Symlinks are followed; a directory reached a second time (a symlink
-loop, or two links to one directory) is skipped with a warning. A media-named symlink that is broken or loops
-becomes an entry with a `problem`, so it shows up in the manifest as an excluded row instead of vanishing.
+skipped, files and directories alike. Symlinks are followed inside the dataset root; a directory reached a
+second time (a symlink loop, or two links to one directory) is skipped with a warning. A media-named symlink
+that is broken or loops becomes an entry with a `problem`, so it shows up in the manifest as an excluded row
+instead of vanishing.
+
+A symlink whose target resolves outside the dataset root is not followed unless the dataset opts in
+(`follow_outside_links`): a media or caption link becomes an entry with problem 'outside_root' (an excluded
+row: a caption link `leak.txt -> /etc/passwd` must never put that file into the manifest, which DVC pushes), a
+directory link is skipped with a warning. Only symlinks pay for the check (one realpath each).
 
 An unchanged rescan does little more than this walk (see snapshot.py), so the walk keeps per-file work to the
 stat call and three list appends; `Entry` objects are built only when a scan needs them.
@@ -31,7 +37,7 @@ class Entry(NamedTuple):
     path: str  # the path to open (root joined with rel)
     kind: Kind
     stat_key: StatKey | None  # None when the file could not be stat'ed (see problem)
-    problem: str = ""  # '', 'broken_symlink', 'symlink_loop', 'not_regular_file', 'unreadable'
+    problem: str = ""  # '', 'broken_symlink', 'symlink_loop', 'outside_root', 'not_regular_file', 'unreadable'
     detail: str = ""
 
 
@@ -62,10 +68,14 @@ _REGULAR_MASK, _REGULAR = 0o170000, 0o100000  # stat.S_IFMT's mask, stat.S_IFREG
 _name = operator.attrgetter("name")
 
 
-def list_dataset(root: str) -> Listing:
-    """Walk `root` and return its media and caption files, sorted by relative path."""
+def list_dataset(root: str, follow_outside_links: bool = False) -> Listing:
+    """Walk `root` and return its media and caption files, sorted by relative path.
+
+    Symlinks resolving outside `root` are followed only with `follow_outside_links` (see the module docstring).
+    """
     out = Listing(root=root)
     rels, kinds, stats, problems = out.rels, out.kinds, out.stats, out.problems
+    real_root = os.path.join(os.path.realpath(root), "")  # with a trailing separator: a prefix of inside paths
     root_st = os.stat(root)
     seen_dirs = {(root_st.st_dev, root_st.st_ino)}
     stack = [""]  # relative directory paths still to walk
@@ -95,6 +105,15 @@ def list_dataset(root: str) -> Listing:
                 is_dir = de.is_dir()  # follows symlinks; False for a broken or looping link
             except OSError:
                 is_dir = False
+            outside = ""  # the target of a symlink that leaves the dataset root
+            if not follow_outside_links and de.is_symlink():
+                target = os.path.realpath(de.path)
+                if not os.path.join(target, "").startswith(real_root):
+                    outside = target
+            if is_dir and outside:
+                out.warnings.append(f"directory {rel} is a symlink to {outside}, outside the dataset root; skipped "
+                                    "(set follow_outside_links: true on the dataset to scan it)")
+                continue
             if is_dir:
                 try:
                     st = de.stat()
@@ -120,6 +139,10 @@ def list_dataset(root: str) -> Listing:
             if st is not None and st.st_mode & _REGULAR_MASK != _REGULAR:
                 # A FIFO or device named like a media file: opening it could block forever.
                 problems[len(rels)] = ("not_regular_file", "not a regular file")
+                st = None
+            if st is not None and outside:
+                problems[len(rels)] = ("outside_root", f"symlink to {outside}, outside the dataset root (set "
+                                                       "follow_outside_links: true on the dataset to use it)")
                 st = None
             rels.append(rel)
             kinds.append(kind)

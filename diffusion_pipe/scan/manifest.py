@@ -1,9 +1,11 @@
 """The manifest: one row per media item, built by pure functions from probe results, written deterministically.
 
 Row rules, in order (the first that applies sets `status='excluded'` and `reason`):
-1. the file itself: 'broken_symlink', 'symlink_loop', 'not_regular_file', 'unreadable', 'empty_file',
-   'too_large' (over scan.max_image_pixels), 'corrupt' (fails to decode fully);
-2. the caption: 'caption_not_utf8', 'caption_unreadable', 'missing_caption' (policy 'skip'; with policy
+1. the file itself: 'broken_symlink', 'symlink_loop', 'outside_root' (a symlink leaving the dataset root),
+   'not_regular_file', 'unreadable', 'empty_file', 'too_large' (over scan.max_image_pixels), 'corrupt' (fails
+   to decode fully);
+2. the caption: 'caption_not_utf8', 'caption_unreadable', 'caption_outside_root', 'caption_too_long' (over
+   scan.max_caption_bytes), 'missing_caption' (policy 'skip'; with policy
    'error' the scan raises ScanError instead of writing anything);
 3. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
    fits);
@@ -109,13 +111,18 @@ def _caption_stem(rel: str) -> str:
     return stem if dot and not stem.endswith("/") and stem else rel
 
 
+# A caption file's listing problem -> the reason of the media row it captions (others: 'caption_unreadable').
+_CAPTION_PROBLEMS = {"outside_root": "caption_outside_root"}
+
+
 def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead]) -> dict[str, CaptionRead]:
     """Map 'dir/name' (no extension) to the read of 'dir/name.txt'; a lower-case '.txt' wins over '.TXT'."""
     out: dict[str, CaptionRead] = {}
     for e in entries:
         if e.kind != "caption":
             continue
-        read = CaptionRead(reason="caption_unreadable", detail=e.detail) if e.problem else reads[e.rel]
+        read = CaptionRead(reason=_CAPTION_PROBLEMS.get(e.problem, "caption_unreadable"), detail=e.detail) \
+            if e.problem else reads[e.rel]
         stem = _caption_stem(e.rel)
         if stem not in out or e.rel.endswith(".txt"):
             out[stem] = read

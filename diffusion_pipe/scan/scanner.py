@@ -99,7 +99,7 @@ def scan_datasets(
 def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing]]:
     """Every dataset's spec (params checked) and listing (the walk)."""
     specs = resolve_datasets(params)
-    return specs, [list_dataset(spec.root) for spec in specs]
+    return specs, [list_dataset(spec.root, spec.params.follow_outside_links) for spec in specs]
 
 
 def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing], cache_path: Path | None,
