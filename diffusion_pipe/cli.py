@@ -32,6 +32,47 @@ main.add_command(store_group)
 main.add_command(lineage_cli)
 
 
+@main.command("init")
+@click.argument("dataset", type=click.Path(path_type=Path))
+@click.option("--name", default="", help="The dataset's name in the manifest (default: the directory's name).")
+@click.option("--resolution", "resolutions", type=int, multiple=True, default=(1024,), show_default=True,
+              help="Bucket target side in pixels; repeat for several.")
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--caption-policy", type=click.Choice(["error", "default", "skip"]), default="error",
+              show_default=True, help="What a media file without a .txt caption gets.")
+@click.option("--default-caption", default="", help="The caption for uncaptioned files (--caption-policy default).")
+@click.option("--eval-fraction", type=float, default=0.05, show_default=True)
+@click.option("--replace", is_flag=True, help="Replace the datasets listed now (the bundled example's) instead "
+                                             "of adding this one beside them.")
+@click.option("--model", default=None, help="Also point model.path here: a local diffusers directory (added to "
+                                            "the deps of the stages that read it) or a hub id.")
+@click.option("--family", default=None, help="With --model: the model family (`diffusion-pipe models`).")
+@click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True)
+def init_command(dataset: Path, name: str, resolutions: tuple[int, ...], repeats: int, caption_policy: str,
+                 default_caption: str, eval_fraction: float, replace: bool, model: str | None, family: str | None,
+                 repo: Path) -> None:
+    """Add your DATASET directory (and --model) to params.yaml and dvc.yaml, keeping both files' comments."""
+    from diffusion_pipe.cli_support import user_errors
+    from diffusion_pipe.project import init_project
+
+    entry = {"name": name, "repeats": repeats, "resolutions": list(resolutions), "caption_policy": caption_policy,
+             "default_caption": default_caption, "eval_fraction": eval_fraction}
+    entry = {k: v for k, v in entry.items() if v not in ("", None)}
+    try:
+        changes, survey = init_project(repo, dataset, entry, replace=replace, model=model, family=family)
+    except user_errors() as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in changes:
+        click.echo(line)
+    click.echo(f"{dataset}: {survey.images} images, {survey.videos} videos, {len(survey.uncaptioned)} without a "
+               "caption")
+    if survey.uncaptioned and caption_policy == "error":
+        shown = ", ".join(survey.uncaptioned[:5]) + (" ..." if len(survey.uncaptioned) > 5 else "")
+        click.echo(f"warning: the scan will stop on the uncaptioned files ({shown}): write their .txt captions, or "
+                   "set caption_policy to 'default' (with default_caption) or 'skip'", err=True)
+    click.echo("next: `dvc repro`")
+
+
 @main.command("make-tiny")
 @click.argument("family")
 @click.argument("out_dir", type=click.Path(path_type=Path))

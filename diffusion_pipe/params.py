@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from diffusion_pipe.config import ConfigError, _closest, from_dict, load_yaml
+from diffusion_pipe.redact import redact
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -24,6 +25,14 @@ class ModelParams:
     path: str = ""  # a local diffusers directory (relative to the repo root) or a hub id
     dtype: Dtype = "bfloat16"  # dtype of the frozen base weights and of the encoders
     expert: str = ""  # mixture-of-experts models (Wan 2.2): which expert to train, "high" or "low"
+    # Single .safetensors files (original / ComfyUI layout, bf16 or fp8) replacing model.path's components;
+    # model.path then only needs their configs (diffusion_pipe.models.checkpoints).
+    transformer: str = ""  # the denoiser (the UNet for SDXL)
+    vae: str = ""
+    text_encoders: tuple[str, ...] = ()  # one per text encoder in the family's order, "" keeps model.path's
+    # "float8": the frozen denoiser weights of the blocks stay in fp8 (a scale per row) and compute in
+    # model.dtype (train/fp8.py); "float8_matmul" also multiplies in fp8 where the GPU supports it.
+    base_dtype: Literal["", "float8", "float8_matmul"] = ""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -136,16 +145,73 @@ class EncodeParams:
         if self.worker_stall_timeout_s <= 0:
             raise ValueError(f"worker_stall_timeout_s must be > 0, got {self.worker_stall_timeout_s}")
         if self.remote != self.remote.strip():
-            raise ValueError(f"remote {self.remote!r} has surrounding spaces; remove them")
+            raise ValueError(f"remote {redact(self.remote)!r} has surrounding spaces; remove them")
         if self.remote.startswith("dvc:") and not self.remote[4:]:
             raise ValueError("remote 'dvc:' names no DVC remote; write 'dvc:NAME', 'dvc' for the default, or ''")
         if "://" in self.remote and not self.remote.split("://", 1)[1].strip("/"):
-            raise ValueError(f"remote {self.remote!r} has no host or path after the scheme; e.g. s3://bucket/prefix")
+            raise ValueError(f"remote {redact(self.remote)!r} has no host or path after the scheme; e.g. s3://bucket/prefix")
 
     @property
     def pack_bytes(self) -> int:
         """pack_size_mb in bytes (at least 1)."""
         return max(1, int(self.pack_size_mb * (1 << 20)))
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    """One prompt rendered during training (and by the `sample` stage), with the same seed every time. Sizes,
+    frames, steps and guidance of 0 (or less, for guidance) take the `train.samples` defaults."""
+
+    prompt: str
+    negative_prompt: str = ""  # families with classifier-free guidance (cfg_scale > 1) use it
+    seed: int = 0
+    width: int = 0
+    height: int = 0
+    frames: int = 0  # video families; 1 renders an image
+    steps: int = 0
+    guidance: float = -1.0  # the family's `guidance_scale` (Flux: distilled guidance; SDXL, Wan: CFG scale)
+    cfg_scale: float = 0.0  # Flux: true classifier-free guidance with negative_prompt when > 1
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise ValueError("a sample prompt is empty; write the text to render under prompt")
+        if min(self.width, self.height, self.frames, self.steps) < 0:
+            raise ValueError(f"prompt {self.prompt!r}: width, height, frames and steps must be >= 0 (0: default)")
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """`train.samples`: prompts rendered at step 0, every `every_steps` steps and at the end of training, with
+    the LoRA as it is then; also what the `sample` stage renders with and without the exported LoRA."""
+
+    prompts: tuple[SamplePrompt, ...] = ()
+    every_steps: int = 0  # 0: only at step 0 and at the end
+    width: int = 512
+    height: int = 512
+    frames: int = 1
+    steps: int = 20
+    guidance: float = 3.5
+    cfg_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"samples.every_steps must be >= 0 (0: at step 0 and the end), got {self.every_steps}")
+        if min(self.width, self.height, self.frames, self.steps) < 1:
+            raise ValueError("samples: width, height, frames and steps must be >= 1")
+
+    def resolved(self) -> tuple[SamplePrompt, ...]:
+        """Every prompt with the section's defaults filled in."""
+        from dataclasses import replace
+
+        return tuple(replace(p, width=p.width or self.width, height=p.height or self.height,
+                             frames=p.frames or self.frames, steps=p.steps or self.steps,
+                             guidance=p.guidance if p.guidance >= 0 else self.guidance,
+                             cfg_scale=p.cfg_scale or self.cfg_scale) for p in self.prompts)
+
+    def texts(self) -> tuple[str, ...]:
+        """Every prompt and negative prompt to encode; the empty negative prompt too, since a family's
+        classifier-free guidance runs on the negative prompt's embeddings whether it was written or not."""
+        return tuple(sorted({text for p in self.prompts for text in (p.prompt, p.negative_prompt)}))
 
 
 @dataclass(frozen=True)
@@ -181,6 +247,7 @@ class TrainParams:
     keep_checkpoints: int = 0  # keep only the newest N checkpoints of a run (0: keep all)
     eval_every_steps: int = 0  # 0: only at the start and the end
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    samples: SampleParams = field(default_factory=SampleParams)  # images rendered as training goes
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:

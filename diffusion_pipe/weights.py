@@ -16,6 +16,9 @@ from diffusion_pipe.fileio import write_json_atomic
 from diffusion_pipe.hashing import hash_bytes, hash_file, hash_json
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# In a model view (diffusion_pipe.models.checkpoints), a component given as one single file is a folder holding
+# the skeleton's config.json and this marker, which names the file.
+SINGLE_FILE_MARKER = "single_file.json"
 
 
 def _default_cache_dir() -> Path:
@@ -64,12 +67,22 @@ def _listing(directory: Path, what: str) -> list[Path]:
 
 
 def component_hash(directory: Path, cache_dir: Path | None = None) -> str:
-    """Hash of a diffusers component directory (e.g. model/vae): every weights file and config.json.
+    """Hash of a diffusers component directory (e.g. model/vae): every weights file and config.json; of a model
+    view's single-file component: its config.json and the single file.
 
     Combines relative POSIX name -> file hash with hash_json, so renaming the directory changes nothing while
     any changed weight or config value changes the hash.
     """
     directory = Path(directory)
+    marker = directory / SINGLE_FILE_MARKER
+    if marker.is_file():
+        # The same content gives the same hash wherever the file lies and whatever it is called.
+        single = Path(json.loads(marker.read_text())["file"])
+        if not single.is_file():
+            raise FileNotFoundError(f"{single}: the single file of component {directory.name} is missing; "
+                                    "restore it or change the model.* param that names it")
+        return hash_json({"kind": "single_file", "config": file_hash_cached(directory / "config.json", cache_dir),
+                          "file": file_hash_cached(single, cache_dir)})
     files = {
         p.relative_to(directory).as_posix(): file_hash_cached(p, cache_dir)
         for p in _listing(directory, "model component")
@@ -81,6 +94,16 @@ def component_hash(directory: Path, cache_dir: Path | None = None) -> str:
             "point the param at a diffusers component folder such as <model>/vae"
         )
     return hash_json({"kind": "component", "files": files})
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether `directory` is a model component with weights: a diffusers component folder with a weights file,
+    or a model view's single-file component."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        return False
+    return (directory / SINGLE_FILE_MARKER).is_file() or any(
+        f.name.endswith(WEIGHT_SUFFIXES) for f in directory.iterdir())
 
 
 def tokenizer_hash(directory: Path) -> str:

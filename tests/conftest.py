@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PIPELINE_FILES = ("dvc.yaml", "params.yaml", "stages", "diffusion_pipe", "examples/flux-tiny", "examples/sdxl-tiny",
-                  "examples/wan-tiny")
+# dvc.yaml lists every bundled example's data and model as deps, so the copy carries every examples/*-tiny.
+PIPELINE_FILES = ("dvc.yaml", "params.yaml", "stages", "diffusion_pipe",
+                  *sorted(f"examples/{p.name}" for p in (REPO / "examples").glob("*-tiny")))
 
 
 def run_env(store: Path) -> dict[str, str]:

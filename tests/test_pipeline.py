@@ -48,6 +48,17 @@ def test_second_repro_runs_nothing(pipeline):
     assert reproduce(repo, store) == []
 
 
+def test_metrics_are_what_runs_are_compared_by(pipeline):
+    """`dvc metrics show` (and so `dvc exp show`) holds the train report's figures, not the scan and encode
+    counters, which stay in their reports for a person to read."""
+    repo, store, _ = pipeline
+    out = run_checked([sys.executable, "-m", "dvc", "metrics", "show", "--json"], cwd=repo, env=run_env(store))
+    (workspace,) = json.loads(out.stdout).values()
+    files = workspace["data"]
+    assert set(files) == {"reports/train.json"}
+    assert files["reports/train.json"]["data"]["eval_loss_end"] < files["reports/train.json"]["data"]["eval_loss_start"]
+
+
 def test_learning_rate_edit_reruns_only_train_and_export(pipeline):
     repo, store, _ = pipeline
     params = repo / "params.yaml"

@@ -32,6 +32,7 @@ from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
+from diffusion_pipe.redact import redact
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
 from diffusion_pipe.weights import component_hash, tokenizer_hash
@@ -66,6 +67,16 @@ class Sample:
     @property
     def sample_id(self) -> str:
         return f"{self.dataset}/{self.path}@{self.bucket}"
+
+
+def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
+                      captions: tuple[str, ...]) -> dict[str, str]:
+    """The text key of each caption (or sample prompt): the key `plan_samples` gives a caption of that text."""
+    encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
+    encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
+    tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
+    return {c: text_key(caption=c, template="", encoder_hashes=encoder_hashes, tokenizer_hashes=tokenizer_hashes,
+                        max_length=max_length, dtype=model.dtype) for c in captions}
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:
@@ -264,21 +275,23 @@ def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
         raise
     except Exception as exc:  # each filesystem (ssh, s3, ...) raises its own exception types
         raise StoreError(
-            f"encode.remote: cannot {what} the store remote {remote.url} ({type(exc).__name__}: {exc}); fix the "
-            "remote (URL, credentials in .dvc/config or the environment, network), or set encode.remote to '' "
-            "to encode with the local store only"
-        ) from exc
+            f"encode.remote: cannot {what} the store remote {remote.url} ({type(exc).__name__}: {redact(str(exc))}); "
+            "fix the remote (URL, credentials in .dvc/config.local or the environment, network), or set "
+            "encode.remote to '' to encode with the local store only"
+        ) from None  # the chained traceback would print the unredacted message
 
 
 def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, manifest_path: Path,
                     encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
-                    workers: WorkerLayout | None = None) -> dict:
+                    workers: WorkerLayout | None = None, sample_prompts: tuple[str, ...] = ()) -> dict:
     """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
     upload what was computed; write the encoded table and the report (rank 0). Returns the report.
 
     The remote is `encode.remote` resolved against `repo_root` (by default the repo's DVC remote, if any).
     Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
-    keys and rank 0 waits for all of them before writing the outputs.
+    keys and rank 0 waits for all of them before writing the outputs. `sample_prompts` (`train.samples`) are
+    embedded into the store like captions, for training to render samples without its text encoders; they are
+    not rows of the encoded table.
     """
     started = time.perf_counter()
     workers = workers or WorkerLayout.from_env()
@@ -291,6 +304,8 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
 
     first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key
     captions = {s.text_key: s.caption for s in samples}
+    captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,
+                                                               sample_prompts).items()}
     wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}

@@ -22,6 +22,7 @@ from diffusion_pipe.config import to_dict
 from diffusion_pipe.fileio import atomic_writer
 from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import Params
+from diffusion_pipe.redact import redact_obj
 
 LINEAGE_VERSION = 2
 METADATA_KEY = "diffusion_pipe.lineage"
@@ -132,12 +133,12 @@ def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_key
     return {
         "lineage_version": LINEAGE_VERSION,
         "kind": "checkpoint",
-        "params": to_dict(params),
+        "params": redact_obj(to_dict(params)),  # a remote URL's password never enters a record
         "inputs": {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
                    "store_keys": store_keys_record(store_keys)},
         "base_model": {"family": params.model.family, "path": params.model.path, "dtype": params.model.dtype,
                        "weights": base_weights(model_dir(params, repo))},
-        "dvc_lock": dvc_lock_entries(repo),
+        "dvc_lock": redact_obj(dvc_lock_entries(repo)),
         "git": git_state(repo),
         "environment": environment(),
         "training": training_record(params, train_report),

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 
 # name -> "module:Class"; the module's file stem equals the name (a registry test checks it).
 REGISTRY: dict[str, str] = {
+    "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
+    "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
 }
@@ -33,8 +35,9 @@ def adapter_class(family: str) -> type[Adapter]:
 
 
 def load_adapter(model: ModelParams) -> Adapter:
-    """The family's adapter over the resolved model directory (a local diffusers folder or a hub id)."""
-    from diffusion_pipe.models.common import DTYPES, resolve_model_dir
+    """The family's adapter over the resolved model directory (a local diffusers folder or a hub id, with the
+    components `model.transformer`, `model.vae`, `model.text_encoders` name taken from single files)."""
+    from diffusion_pipe.models.checkpoints import resolve_model
+    from diffusion_pipe.models.common import DTYPES
 
-    return adapter_class(model.family)(resolve_model_dir(model.path), DTYPES[model.dtype],
-                                       expert=model.expert or None)
+    return adapter_class(model.family)(resolve_model(model), DTYPES[model.dtype], expert=model.expert or None)

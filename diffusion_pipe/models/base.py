@@ -180,6 +180,42 @@ class Adapter(ABC):
         `.alpha` = rank of that module. Unknown `fmt`: ValueError naming `export.formats`.
         """
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        """The family's diffusers pipeline class: training samples and the `sample` stage render with it."""
+        from diffusion_pipe.config import ConfigError
+
+        raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet; "
+                          "leave the prompts empty")
+
+    def sample_pipeline(self, denoiser: nn.Module, vae: nn.Module) -> object:
+        """The family's pipeline over `denoiser` (as it is being trained), `vae` and the model's own scheduler,
+        without text encoders: prompts arrive as stored embeddings (`sample_inputs`), so no text encoder sits
+        in memory during training."""
+        import inspect
+        import json
+
+        import diffusers
+
+        scheduler_dir = self.model_dir / "scheduler"
+        scheduler_cls = getattr(diffusers, json.loads((scheduler_dir / "scheduler_config.json").read_text())[
+            "_class_name"])
+        cls = self.pipeline_class()
+        components = {name: None for name, p in inspect.signature(cls.__init__).parameters.items()
+                      if name != "self" and p.default is inspect.Parameter.empty}
+        components |= {self.denoiser_dir().name: denoiser, "vae": vae,
+                       "scheduler": scheduler_cls.from_pretrained(scheduler_dir)}
+        pipe = cls(**components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float,
+                      cfg_scale: float) -> dict:
+        """The pipeline call's keyword arguments for one prompt from its stored text entries (`text`, and
+        `negative` for the negative prompt, each unbatched): embeddings, guidance and CFG as the family takes
+        them. `guidance` is the pipeline's `guidance_scale`; `cfg_scale` true CFG where that is separate."""
+        raise NotImplementedError(f"family '{self.name}' has no sample_inputs")
+
     @classmethod
     @abstractmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -30,21 +30,33 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """`cls.from_pretrained(directory)` frozen, in eval mode, in `dtype` on `device`: a clear error if absent."""
+    """`cls.from_pretrained(directory)` frozen, in eval mode, in `dtype` on `device`: a clear error if absent.
+    A model view's single-file component loads from its file (diffusion_pipe.models.checkpoints)."""
+    from diffusion_pipe.models.checkpoints import load_single_file_component, read_single_file_marker
+
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"{directory}: no config.json; model.path must be a diffusers-format model directory "
             f"(with {directory.name}/ inside) or a hub id"
         )
-    module = cls.from_pretrained(directory, torch_dtype=dtype)
+    single = read_single_file_marker(directory)
+    if single is not None:
+        module = load_single_file_component(cls, directory, single, dtype)
+    else:
+        module = cls.from_pretrained(directory, torch_dtype=dtype)
     module.requires_grad_(False)
     return module.eval().to(device)
 
 
-def resolve_model_dir(path: str) -> Path:
-    """A local diffusers directory as is; otherwise a hub id, resolved to its local snapshot (downloaded once
-    when the hub is reachable, read from the cache when offline)."""
-    local = Path(path)
+HUB_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*/*"]  # fnmatch: '*' spans folders too
+
+
+def resolve_model_dir(path: str, root: Path | None = None, allow_patterns: list[str] | None = None) -> Path:
+    """A local diffusers directory (relative to `root`, default the working directory) as is; otherwise a hub
+    id, resolved to its local snapshot in the Hugging Face cache (HF_HOME; downloaded once when the hub is
+    reachable, read from the cache when offline or HF_HUB_OFFLINE=1). `allow_patterns` limits what is fetched
+    (default: configs, tokenizers and safetensors weights)."""
+    local = Path(root) / path if root is not None else Path(path)
     if local.is_dir():
         return local.resolve()
     if local.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
@@ -52,8 +64,8 @@ def resolve_model_dir(path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                            "tokenizer*/*", "*/*.json", "*/*.safetensors"]))
+        return Path(snapshot_download(path, allow_patterns=allow_patterns or [*HUB_CONFIG_PATTERNS,
+                                                                              "*.safetensors"]))
     except Exception as exc:  # offline and not cached, gated, misspelled: all say the same thing to a user
         raise FileNotFoundError(
             f"model.path: could not find {path!r} locally or download it from the hub ({exc}); "

@@ -136,7 +136,7 @@ class FluxAdapter(Adapter):
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
         if pixels_BCFHW.shape[2] != 1:
-            raise ValueError(f"family 'flux' trains on images only; got {pixels_BCFHW.shape[2]} frames")
+            raise ValueError(f"family '{self.name}' trains on images only; got {pixels_BCFHW.shape[2]} frames")
         # The distribution's mode, unscaled: normalisation happens at load time, so a scaling change is free.
         latents = vae.encode(pixels_BCFHW[:, :, 0].to(vae.device, vae.dtype)).latent_dist.mode()
         return [{"latents": x.contiguous().cpu()} for x in latents]
@@ -212,6 +212,21 @@ class FluxAdapter(Adapter):
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return unpack_latents(prediction, like.shape[-2], like.shape[-1])
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        kwargs = {"prompt_embeds": text["t5"][None].to(self.dtype),
+                  "pooled_prompt_embeds": text["clip_pooled"][None].to(self.dtype), "guidance_scale": guidance}
+        if cfg_scale > 1:  # true CFG, on top of the distilled guidance
+            kwargs |= {"negative_prompt_embeds": negative["t5"][None].to(self.dtype),
+                       "negative_pooled_prompt_embeds": negative["clip_pooled"][None].to(self.dtype),
+                       "true_cfg_scale": cfg_scale}
+        return kwargs
+
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":
@@ -221,7 +236,7 @@ class FluxAdapter(Adapter):
             inner_dim = config["num_attention_heads"] * config["attention_head_dim"]
             # diffusers builds every single block with its default mlp_ratio of 4
             return comfyui_lora(lora, inner_dim=inner_dim, mlp_dim=int(inner_dim * 4.0))
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux' "
+        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     @classmethod

@@ -238,6 +238,20 @@ class SDXLAdapter(Adapter):
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return prediction
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """`guidance` is SDXL's classifier-free guidance scale, over the negative prompt's embeddings."""
+        return {"prompt_embeds": text["prompt_embeds"][None].to(self.dtype),
+                "pooled_prompt_embeds": text["pooled"][None].to(self.dtype),
+                "negative_prompt_embeds": negative["prompt_embeds"][None].to(self.dtype),
+                "negative_pooled_prompt_embeds": negative["pooled"][None].to(self.dtype),
+                "guidance_scale": guidance}
+
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":

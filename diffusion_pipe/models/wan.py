@@ -224,6 +224,17 @@ class WanAdapter(Adapter):
         patch = tuple(self._config(self._transformer_component())["patch_size"])
         return unpatchify(prediction, like, patch)
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        from diffusers import WanPipeline
+
+        return WanPipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """`guidance` is Wan's classifier-free guidance scale, over the negative prompt's embeddings."""
+        return {"prompt_embeds": text["t5"][None].to(self.dtype),
+                "negative_prompt_embeds": negative["t5"][None].to(self.dtype), "guidance_scale": guidance}
+
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
 from diffusion_pipe.hashing import hash_bytes
+from diffusion_pipe.redact import redact
 from diffusion_pipe.store.pack import (
     PACK_ID_RE,
     PACK_SUFFIX,
@@ -52,14 +53,15 @@ class Remote:
     def __init__(self, url: str, **config: Any) -> None:
         from dvc.fs import get_cloud_fs  # imported on use: DVC's import is heavy
 
+        # What we print and record (errors, reports, lineage, the remote-index folder's name): never a password.
         self.url = url
         try:
             cls, fs_config, self.path = get_cloud_fs({}, url=url, **config)
         except Exception as exc:  # DVC raises its own config and missing-plugin errors
             raise StoreError(
-                f"cannot use store remote {url!r} ({exc}): check the URL and options; ssh:// needs dvc-ssh and "
-                "s3:// needs dvc-s3 installed"
-            ) from exc
+                f"cannot use store remote {self.url!r} ({redact(str(exc))}): check the URL and options; ssh:// "
+                "needs dvc-ssh and s3:// needs dvc-s3 installed"
+            ) from None
         self.fs: FileSystem = cls(**fs_config)
 
     @classmethod

@@ -51,11 +51,26 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: torch.dtype) -> None:
-    """Materialise the parameters and buffers `names` of `module` from the safetensors files in `directory`."""
+    """Materialise the parameters and buffers `names` of `module` from the safetensors files in `directory`,
+    or from the single file a model view's component stands for (reading only these tensors)."""
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
+    from diffusion_pipe.models.checkpoints import read_single_file_marker, single_file_weights
+
     missing = set(names)
+    single = read_single_file_marker(directory)
+    if single is not None:
+        weights = single_file_weights(single, type(module), dict(type(module).load_config(directory)))
+        for key in sorted(missing & set(weights.keys())):
+            tensor = weights.tensor(key, dtype)
+            set_module_tensor_to_device(module, key, "cpu", value=tensor,
+                                        dtype=dtype if tensor.is_floating_point() else None)
+            missing.discard(key)
+        if missing:
+            raise FileNotFoundError(f"{single}: weights missing for {sorted(missing)[:5]} ({len(missing)} "
+                                    f"tensors); is it a complete {type(module).__name__} of this model's shape?")
+        return
     for path in _weight_files(directory):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():

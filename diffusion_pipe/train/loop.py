@@ -11,7 +11,6 @@ import json
 import contextlib
 import math
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -30,11 +29,14 @@ from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows
 from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
+from diffusion_pipe.train.guards import diverged, step_is_finite
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.objectives import mse_loss
 from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
+from diffusion_pipe.train.samples import TrainingSamples
 from diffusion_pipe.train.swap import apply_block_swap
-from diffusion_pipe.train.pipeline import (Dist, build_pipeline_module, check_dtype_supported, init_distributed,
+from diffusion_pipe.train.pipeline import (build_pipeline_module, check_dtype_supported, init_distributed,
                                            pipeline_stage)
 
 
@@ -50,6 +52,15 @@ def lr_lambda(train: TrainParams):
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
     return factor
+
+
+def schedule_warnings(train: TrainParams) -> list[str]:
+    """Params that are valid but almost surely not what was meant, each naming the param and the fix."""
+    warnings = []
+    if train.warmup_steps >= train.steps:
+        warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
+                        "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
+    return warnings
 
 
 def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
@@ -77,7 +88,7 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
     how many are kept do not change what is trained, so they are left out: changing them continues the run."""
-    cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints")
+    cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
@@ -87,8 +98,8 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
 def check_resumable(source: Path, identity: dict, force: bool) -> None:
     """Refuse to continue the run in `source` when its data, model or parallel layout differ from this run's
     (a UserError naming each difference), unless `force`; train params may differ (that is the point)."""
-    if _latest_step(source) is None:
-        raise DataError(f"--resume-from {source}: no checkpoint there (no 'latest' file); give a directory "
+    if not step_dirs(source):
+        raise DataError(f"--resume-from {source}: no checkpoint there (no step<N> directory); give a directory "
                         "under runs/checkpoints/")
     theirs = json.loads((source / "identity.json").read_text()) if (source / "identity.json").is_file() else {}
     changes = [f"{name} ({theirs.get(key)!r} -> {identity[key]!r})" if key != "encoded" else
@@ -101,23 +112,10 @@ def check_resumable(source: Path, identity: dict, force: bool) -> None:
                         + " changed; pass --force to resume anyway")
 
 
-def _prune_checkpoints(checkpoint_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (step<N> directories) of a run, oldest first."""
-    steps = sorted((int(p.name[4:]), p) for p in checkpoint_dir.glob("step*")
-                   if p.name[4:].isdigit() and p.is_dir())
-    for _, path in steps[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _latest_step(checkpoint_dir: Path) -> int | None:
-    latest = checkpoint_dir / "latest"
-    return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else None
-
-
 def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, encoded_path: Path, out_dir: Path,
                report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store,
                lineage_params: Params | None = None, resume_from: Path | None = None,
-               force: bool = False) -> dict:
+               force: bool = False, samples_dir: Path | None = None) -> dict:
     """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
     With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
     An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
@@ -169,16 +167,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     run_id = hash_json(identity)[:16]
     checkpoint_dir = runs_root / "checkpoints" / run_id
     state = {"step": 0, "position": 0, "losses": [], "grad_norms": [], "evals": []}
-    resumed_from = _latest_step(checkpoint_dir)
-    source = checkpoint_dir
-    if resumed_from is None and resume_from is not None:
+    checkpoints = Checkpoints(checkpoint_dir, engine, optimizer, scheduler, dist)
+    found = choose_checkpoint(checkpoint_dir, announce=is_reporter)  # the newest intact one
+    if found.path is None and resume_from is not None:
         check_resumable(resume_from, identity, force)
-        source, resumed_from = resume_from, _latest_step(resume_from)
-    if resumed_from is not None:
-        _, client = engine.load_checkpoint(str(source), load_module_strict=False)
-        state = client["state"]
-        state.setdefault("grad_norms", [None] * len(state["losses"]))  # checkpoints written before they were kept
-        _restore_rng(client, dist)
+        found = choose_checkpoint(resume_from, announce=is_reporter, required=True)
+    agree_on_step(found.step, dist)
+    resumed_from = found.step
+    if found.path is not None:
+        state = checkpoints.load(found.path)
     if dist.rank == 0:
         write_json_atomic(checkpoint_dir / "identity.json", identity)
 
@@ -194,9 +191,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         if eval_loader is None or any(e["step"] == step for e in state["evals"]):
             return
         per_t = {}
-        for t in train.eval_timesteps:
-            batches = eval_batches(eval_rows, eval_loader, t, train.seed)
-            per_t[f"{t:g}"] = float(engine.eval_batch(iter(batches), num_micro_batches=len(batches))) / scaler.scale
+        with tqdm(total=len(train.eval_timesteps) * len(eval_rows), desc=f"eval at step {step}", unit="sample",
+                  file=sys.stderr, disable=not is_reporter, leave=False) as progress:
+            for t in train.eval_timesteps:
+                batches = eval_batches(eval_rows, eval_loader, t, train.seed)
+                per_t[f"{t:g}"] = _mean_eval_loss(engine, batches, progress) / scaler.scale
         state["evals"].append({"step": step, "loss": sum(per_t.values()) / len(per_t), "by_timestep": per_t})
         if writer:
             writer.add_scalar("eval/loss", state["evals"][-1]["loss"], step)
@@ -205,25 +204,23 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
     def save_checkpoint() -> None:
         nonlocal last_save
-        client = {"state": state, "rng": _gather_rng(dist)}
-        engine.save_checkpoint(str(checkpoint_dir), tag=f"step{state['step']}", client_state=client,
-                               exclude_frozen_parameters=True)
+        checkpoints.save(state, keep=train.keep_checkpoints)
         last_save = time.monotonic()
-        if train.keep_checkpoints and dist.local_rank == 0:
-            _prune_checkpoints(checkpoint_dir, train.keep_checkpoints)
 
-    def after_step() -> tuple[bool, int | None]:
-        """(save a checkpoint now, the stop signal to exit with): the same answer on every rank, which must
-        save together. Rank 0's clock decides the minutes; any rank's signal stops them all."""
+    def after_step(finite: bool) -> tuple[bool, int | None, bool]:
+        """(save a checkpoint now, the stop signal to exit with, the step diverged): the same answer on every
+        rank, which must save together. Rank 0's clock decides the minutes; any rank's signal, or non-finite
+        step, stops them all."""
         by_steps = bool(train.checkpoint_every_steps) and state["step"] % train.checkpoint_every_steps == 0
         by_time = (bool(train.checkpoint_every_minutes) and dist.rank == 0
                    and time.monotonic() - last_save >= 60 * train.checkpoint_every_minutes)
         if dist.world == 1:
-            return by_steps or by_time or stops.signal is not None, stops.signal
-        flags = torch.tensor([int(by_time), stops.signal or 0], dtype=torch.int32, device=dist.device)
+            return by_steps or by_time or stops.signal is not None, stops.signal, not finite
+        flags = torch.tensor([int(by_time), stops.signal or 0, int(not finite)], dtype=torch.int32,
+                             device=dist.device)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        by_time, signum = (int(x) for x in flags.tolist())
-        return by_steps or bool(by_time) or bool(signum), signum or None
+        by_time, signum, bad = (int(x) for x in flags.tolist())
+        return by_steps or bool(by_time) or bool(signum), signum or None, bool(bad)
 
     writer = None
     if is_reporter:
@@ -235,8 +232,14 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
               f"stage 0, {train.pipeline_stages} stage(s) x {dp_world} data-parallel on {dist.device}"
               + (f"; resuming at step {resumed_from}" if resumed_from is not None else ""), file=sys.stderr)
 
+    for warning in schedule_warnings(train) if is_reporter else ():
+        print(f"train: warning: {warning}", file=sys.stderr)
+    samples = TrainingSamples.create(train.samples, train.steps, model, encode.text_max_length, adapter, store,
+                                     denoiser, module, dist, train.pipeline_stages, dp_world,
+                                     runs_root / "samples" / run_id, samples_dir, writer)
     samples_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dp_world
     evaluate(0)
+    samples.render(state["step"])
     started, first_step = time.perf_counter(), state["step"]
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
@@ -269,13 +272,19 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                       state["step"])
             if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
                 evaluate(state["step"])
-            save_now, signum = after_step()
+            samples.render(state["step"])
+            save_now, signum, diverging = after_step(step_is_finite(loss, state["grad_norms"][-1], scaler.enabled))
+            if diverging:  # before any save: the last checkpoint stays the last good one
+                raise diverged(state["step"], loss, state["grad_norms"][-1], train, checkpoints.last_step,
+                               checkpoint_dir)
             if save_now:
                 save_checkpoint()
             if signum is not None:
                 if is_reporter:
                     print(f"train: stopped by {signal.Signals(signum).name}; checkpoint saved at step "
-                          f"{state['step']} in {checkpoint_dir}; run the stage again to resume", file=sys.stderr)
+                          f"{state['step']} in {checkpoint_dir}. Run `dvc repro` (or this same command) again "
+                          "to resume from it; DVC reporting that 'train' failed to reproduce is expected after a "
+                          "stop", file=sys.stderr)
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
                 raise SystemExit(128 + signum)
@@ -285,7 +294,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         loader.close()
         profiler.close()
     evaluate(state["step"])
-    if _latest_step(checkpoint_dir) != state["step"]:
+    samples.render(state["step"], final=True)
+    if checkpoints.last_step != state["step"]:
         save_checkpoint()
 
     lora = _gather_lora(denoiser, module)
@@ -299,6 +309,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         # median of this process's steps after the first two (warm-up, compilation)
         "step_seconds": statistics.median(step_seconds[2:] or step_seconds) if step_seconds else None,
         "max_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dist.device.type == "cuda" else None,
+        "sample_seconds": round(samples.seconds, 3),
         "lora_dtype": str(next(p.dtype for p in module.parameters() if p.requires_grad)).removeprefix("torch."),
     }
     if report["eval_loss_start"] is not None:
@@ -412,28 +423,15 @@ class _StopSignals:
         self._previous = {}
 
 
-def _gather_rng(dist: Dist) -> list[dict]:
-    """Every rank's RNG states (CPU, and CUDA on GPUs: LoRA dropout draws there), by global rank: a stage's
-    checkpoint file is written by one rank of the stage but read by all of its data-parallel ranks."""
-    mine = {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.type == "cuda" else None}
-    if dist.world == 1:
-        return [mine]
-    states: list = [None] * dist.world
-    torch.distributed.all_gather_object(states, mine)
-    return states
-
-
-def _restore_rng(client: dict, dist: Dist) -> None:
-    """This rank's RNG states from a checkpoint's client state (or the CPU state alone that older checkpoints
-    kept); a checkpoint of another world size (--force) gives each rank the state of rank `rank % its world`."""
-    if "rng" not in client:
-        torch.set_rng_state(client["torch_rng"])
-        return
-    mine = client["rng"][dist.rank % len(client["rng"])]
-    torch.set_rng_state(mine["cpu"])
-    if dist.device.type == "cuda" and mine["cuda"] is not None:
-        torch.cuda.set_rng_state(mine["cuda"], dist.device)
+def _mean_eval_loss(engine, batches: list, progress: tqdm, chunk: int = 8) -> float:
+    """The mean loss of `batches` through the engine, `chunk` micro-batches per call so that `progress` moves
+    while a long evaluation runs (the engine averages each call's micro-batches; the chunks are weighted back)."""
+    total = 0.0
+    for start in range(0, len(batches), chunk):
+        part = batches[start:start + chunk]
+        total += float(engine.eval_batch(iter(part), num_micro_batches=len(part))) * len(part)
+        progress.update(len(part))
+    return total / len(batches)
 
 
 def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:

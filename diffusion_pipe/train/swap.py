@@ -46,6 +46,10 @@ class SwappedLayer(nn.Module):
         finally:
             self._unload()
 
+    def loaded(self) -> contextlib.AbstractContextManager[None]:
+        """The frozen weights on the device while the context lasts: samples call the wrapped modules directly."""
+        return self._loaded()
+
     def forward(self, inputs):
         with self._loaded():
             return checkpoint(self.layer, inputs, use_reentrant=False,

@@ -16,4 +16,5 @@ def command(params, manifest: Path, encoded: Path, report: Path) -> None:
     from diffusion_pipe.encode.encode import encode_manifest
     from diffusion_pipe.store import Store
 
-    encode_manifest(params.model, params.scan, params.encode, manifest, encoded, report, Store.default())
+    encode_manifest(params.model, params.scan, params.encode, manifest, encoded, report, Store.default(),
+                    sample_prompts=params.train.samples.texts())

@@ -1,0 +1,86 @@
+"""One prompt -> pixels through the family's diffusers pipeline, deterministically; grids and files of them.
+
+Prompts come as text-store entries (the encode stage embeds them like captions), so rendering needs neither
+text encoders nor tokenizers. Noise comes from a CPU generator seeded by the prompt's seed: the same prompt
+gives the same starting noise at every step of a run, on any device.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffusion_pipe.fileio import write_bytes_atomic
+from diffusion_pipe.models.base import Adapter, TensorDict
+from diffusion_pipe.params import SamplePrompt
+
+
+def check_prompt_size(adapter: Adapter, prompt: SamplePrompt) -> None:
+    """A sample size the model cannot render is an error naming the prompt and the multiple it needs."""
+    from diffusion_pipe.config import ConfigError
+
+    m = adapter.pixel_multiple
+    if prompt.width % m or prompt.height % m:
+        raise ConfigError(f"train.samples: prompt {prompt.prompt!r} is {prompt.width}x{prompt.height}; family "
+                          f"'{adapter.name}' renders sides that are multiples of {m}: set width and height to such")
+    if prompt.frames > 1 and "video" not in adapter.capabilities.media:
+        raise ConfigError(f"train.samples: prompt {prompt.prompt!r} asks for {prompt.frames} frames but family "
+                          f"'{adapter.name}' renders images; set frames to 1")
+
+
+@torch.no_grad()
+def render_prompt(pipe: object, adapter: Adapter, prompt: SamplePrompt, text: TensorDict, negative: TensorDict,
+                  device: torch.device) -> np.ndarray:
+    """Pixels (frames, height, width, 3) uint8 of one resolved prompt; `text`/`negative` its stored entries."""
+    kwargs = adapter.sample_inputs(text, negative, prompt.guidance, prompt.cfg_scale)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if "video" in adapter.capabilities.media:
+        kwargs["num_frames"] = prompt.frames
+    out = pipe(height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps, output_type="np",
+               generator=torch.Generator("cpu").manual_seed(prompt.seed), **kwargs)
+    pixels = np.asarray(out.frames[0] if hasattr(out, "frames") else out.images[:1])  # (F, H, W, 3) in [0, 1]
+    return (np.clip(pixels, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def grid(rows: list[list[np.ndarray]], gap: int = 2) -> np.ndarray:
+    """Images (H, W, 3) uint8 laid out in rows on a white background; cells take the largest size."""
+    height = max(img.shape[0] for row in rows for img in row)
+    width = max(img.shape[1] for row in rows for img in row)
+    columns = max(len(row) for row in rows)
+    out = np.full((len(rows) * (height + gap) - gap, columns * (width + gap) - gap, 3), 255, dtype=np.uint8)
+    for r, row in enumerate(rows):
+        for c, img in enumerate(row):
+            y, x = r * (height + gap), c * (width + gap)
+            out[y:y + img.shape[0], x:x + img.shape[1]] = img
+    return out
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """PNG of an (H, W, 3) uint8 image; no timestamps or text chunks, so equal pixels give equal bytes."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_media(path_stem: Path, pixels: np.ndarray, fps: int = 16) -> list[Path]:
+    """Write one rendered prompt atomically: `<stem>.png` (the middle frame of a video) and, for more than one
+    frame, `<stem>.mp4` too. Returns the paths written."""
+    written = [path_stem.with_suffix(".png")]
+    write_bytes_atomic(written[0], png_bytes(poster(pixels)))
+    if pixels.shape[0] > 1:
+        import imageio.v3 as iio
+
+        video = iio.imwrite("<bytes>", pixels, extension=".mp4", plugin="pyav", codec="libx264", fps=fps)
+        written.append(path_stem.with_suffix(".mp4"))
+        write_bytes_atomic(written[1], video)
+    return written
+
+
+def poster(pixels: np.ndarray) -> np.ndarray:
+    """The frame that stands for a rendered prompt in grids: the middle one."""
+    return pixels[pixels.shape[0] // 2]

@@ -1,0 +1,258 @@
+"""Training checkpoints in our own format: safetensors and JSON, written by us, read by us, never unpickled.
+
+A run's checkpoint directory (`runs/checkpoints/<run id>/`) holds one `step<N>/` directory per checkpoint and a
+`latest` file naming the newest, for people and scripts. A step directory holds:
+
+- `stage<S>.safetensors`, written by the first data-parallel rank of pipeline stage S: for each trainable (LoRA)
+  parameter of the stage, keyed by its name in the pipeline module, its fp32 master weight and AdamW state
+  (`master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`, `step/<name>`); the LoRA weights are the masters;
+- `stage<S>.json`: the stage's optimizer hyperparameters, loss scaler, LR scheduler and engine counters;
+- `rng.safetensors`: every rank's RNG states (`rank<R>/cpu`, `rank<R>/cuda`) as uint8 tensors;
+- `state.json`: the loop's state (step, sampler position, losses, gradient norms, evaluations);
+- `manifest.json`, written last, once every rank has written its files: the xxh3-128 of each of them.
+
+DeepSpeed's own checkpoints are pickles, which `torch.load(weights_only=False)` runs as code: a planted or
+downloaded checkpoint directory could run anything. safetensors and JSON carry data only, and no `.pt` file is
+ever opened. On resume a step directory is used only when its manifest lists every file and each one matches
+its hash: a truncated, missing or bit-flipped file (an optimizer tensor loads silently otherwise, and changes
+the result) makes it damaged, and the newest intact checkpoint is used instead, with a warning naming what was
+wrong. A step directory without a manifest is a save that was cut short (or an older diffusion-pipe's DeepSpeed
+checkpoint) and is passed over.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffusion_pipe.errors import UserError
+from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
+from diffusion_pipe.hashing import hash_bytes, hash_file
+from diffusion_pipe.tensorfile import save_deterministic
+from diffusion_pipe.train.pipeline import Dist
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+class CheckpointError(UserError):
+    """No checkpoint to resume from where one was expected, or a checkpoint that does not fit this run."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """The newest intact checkpoint of a directory (None: none), and what was wrong with each newer one."""
+
+    step: int | None
+    path: Path | None
+    damaged: list[str]  # "step12: stage0.safetensors does not match its hash", newest first
+    incomplete: list[str]  # step directories without a manifest, passed over
+
+
+def step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    """The `step<N>` directories of a run's checkpoint directory, newest first."""
+    found = [(int(p.name[4:]), p) for p in directory.glob("step*") if p.name[4:].isdigit() and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def expected_files(stages: int) -> set[str]:
+    """The files a checkpoint of a run with `stages` pipeline stages must list in its manifest."""
+    return {"rng.safetensors", "state.json"} | {f"stage{s}.{ext}" for s in range(stages) for ext in
+                                                  ("safetensors", "json")}
+
+
+def check_step_dir(path: Path, step: int) -> str | None:
+    """What is wrong with the checkpoint in `path` (None: nothing): its manifest, and every file against its hash.
+    Reads files; runs no code from them."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{MANIFEST} is unreadable ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step:
+        return f"{MANIFEST} is not a format-{FORMAT} manifest of step {step}"
+    files, stages = manifest.get("files"), manifest.get("stages")
+    if not isinstance(files, dict) or not isinstance(stages, int) or stages < 1:
+        return f"{MANIFEST} lacks its file list or stage count"
+    if missing := sorted(expected_files(stages) - set(files)):
+        return f"{MANIFEST} does not list {', '.join(missing)}"
+    for name, digest in sorted(files.items()):
+        if name not in expected_files(stages):  # a manifest names only our own files, never a path elsewhere
+            return f"{MANIFEST} lists an unexpected file {name!r}"
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if hash_file(path / name) != digest:
+            return f"{name} does not match its hash in {MANIFEST} (truncated, damaged or changed since written)"
+    return None
+
+
+def find_newest_intact(directory: Path) -> Found:
+    """The newest checkpoint in `directory` whose files are all intact; the damaged and incomplete ones newer
+    than it, for the warning. `latest` is not trusted: an empty or stale one changes nothing."""
+    damaged, incomplete = [], []
+    for step, path in step_dirs(directory):
+        if not (path / MANIFEST).exists():
+            incomplete.append(path.name)
+            continue
+        if (problem := check_step_dir(path, step)) is None:
+            return Found(step, path, damaged, incomplete)
+        damaged.append(f"{path.name}: {problem}")
+    return Found(None, None, damaged, incomplete)
+
+
+def choose_checkpoint(directory: Path, announce: bool, required: bool = False) -> Found:
+    """The checkpoint to resume from in `directory`, announcing (on stderr) every newer one passed over. Raises a
+    CheckpointError when checkpoints exist but none is intact (or, with `required`, when there is none at all):
+    starting over silently would throw away a run the user may want to repair."""
+    found = find_newest_intact(directory)
+    if found.step is None and (found.damaged or required):
+        what = "; ".join(found.damaged + [f"{name}: no {MANIFEST}" for name in found.incomplete]) or "none there"
+        raise CheckpointError(f"{directory}: no intact checkpoint to resume from ({what}). Delete the damaged "
+                              f"step directories (or the whole {directory.name}) to start this run over")
+    if announce:
+        for problem in found.damaged:
+            print(f"train: warning: checkpoint {directory / problem.split(':')[0]} is damaged and not used: "
+                  f"{problem.split(': ', 1)[1]}", file=sys.stderr)
+        for name in found.incomplete:
+            print(f"train: warning: {directory / name} has no {MANIFEST} and is not used: its save was cut short, "
+                  "or an older diffusion-pipe wrote it in DeepSpeed's pickle format, which is never loaded",
+                  file=sys.stderr)
+        if found.step is not None and (found.damaged or found.incomplete):
+            print(f"train: resuming from {found.path.name}, the newest intact checkpoint", file=sys.stderr)
+    return found
+
+
+def agree_on_step(step: int | None, dist: Dist) -> None:
+    """Every rank must resume from the same step: they differ when the checkpoint directory is not one shared
+    filesystem for all nodes (each then sees only its own node's files)."""
+    if dist.world == 1:
+        return
+    mine = torch.tensor([-1 if step is None else step] * 2, dtype=torch.int64, device=dist.device)
+    mine[1] = -mine[1]
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+    high, low = int(mine[0]), -int(mine[1])
+    if high != low:
+        raise CheckpointError(f"ranks found different checkpoints to resume from (steps {low} to {high}; -1: "
+                              "none): every node must see the same runs/ directory (a shared filesystem), or "
+                              "pass --runs a shared path")
+
+
+class Checkpoints:
+    """Saves and loads this process's part of the run's checkpoints: the pipeline stage's LoRA masters and
+    optimizer state (first data-parallel rank of each stage), and, on rank 0, every rank's RNG states, the loop's
+    state and the manifest."""
+
+    def __init__(self, directory: Path, engine, optimizer, scheduler, dist: Dist) -> None:
+        self.directory, self.engine, self.optimizer, self.scheduler, self.dist = (directory, engine, optimizer,
+                                                                                  scheduler, dist)
+        self.stage, self.stages = engine.grid.get_stage_id(), engine.num_stages
+        self.writes_stage = engine.grid.get_data_parallel_rank() == 0
+        name_of = {id(p): name for name, p in engine.module.named_parameters()}
+        # the optimizer's parameters in its own order; names are global layer indices, the same in every layout
+        self.names = [name_of[id(p)] for p in optimizer.model_params]
+        self.last_step: int | None = None  # of the checkpoint last saved or loaded
+
+    def save(self, state: dict, keep: int = 0) -> None:
+        """Write the checkpoint of `state["step"]` (every rank calls this together); with `keep`, delete all but
+        the newest `keep` checkpoints afterwards."""
+        step, rank = state["step"], self.dist.rank
+        path = self.directory / f"step{step}"
+        rng = _gather_rng(self.dist)
+        if rank == 0 and (path / MANIFEST).exists():  # an older save of this step (a run resumed before it)
+            (path / MANIFEST).unlink()
+        written: dict[str, str] = {}
+        if self.writes_stage:
+            tensors, meta = self._stage_state()
+            written |= _publish(path, f"stage{self.stage}.safetensors", save_deterministic(tensors))
+            written |= _publish(path, f"stage{self.stage}.json", _json_bytes(meta))
+        if rank == 0:
+            rng_tensors = {f"rank{r}/{kind}": t for r, states in enumerate(rng)
+                           for kind, t in states.items() if t is not None}
+            written |= _publish(path, "rng.safetensors", save_deterministic(rng_tensors))
+            written |= _publish(path, "state.json", _json_bytes(state))
+        if self.dist.world > 1:
+            parts: list = [None] * self.dist.world
+            torch.distributed.all_gather_object(parts, written)
+            written = {name: digest for part in parts for name, digest in part.items()}
+        if rank == 0:
+            write_json_atomic(path / MANIFEST, {"format": FORMAT, "step": step, "stages": self.stages,
+                                                "world": self.dist.world, "files": written})
+            write_bytes_atomic(self.directory / "latest", f"step{step}".encode())
+            if keep:
+                for _, old in step_dirs(self.directory)[keep:]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.last_step = step
+
+    def load(self, path: Path) -> dict:
+        """Restore this rank's LoRA weights, optimizer, scheduler, engine counters and RNG states from the
+        (verified) checkpoint in `path`; return the loop's state. A checkpoint of another pipeline layout loads
+        too (--force): parameters are found by name in whichever stage file holds them."""
+        from safetensors import safe_open
+
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        wanted = {f"{kind}/{name}" for name in self.names for kind in ("master", *_OPTIMIZER_STATE)}
+        tensors: dict[str, torch.Tensor] = {}
+        for stage in range(manifest["stages"]):
+            with safe_open(path / f"stage{stage}.safetensors", framework="pt") as fh:
+                tensors |= {key: fh.get_tensor(key) for key in fh.keys() if key in wanted}
+        if missing := [name for name in self.names if f"master/{name}" not in tensors]:
+            raise CheckpointError(f"{path} holds no weights for {len(missing)} of this run's LoRA parameters (e.g. "
+                                  f"{missing[0]}): it is a checkpoint of another model or LoRA setup")
+        meta = json.loads((path / f"stage{min(self.stage, manifest['stages'] - 1)}.json").read_text("utf-8"))
+        groups = [dict(group, betas=tuple(group["betas"]), params=list(range(len(self.names))))
+                  for group in meta["param_groups"]]
+        self.optimizer.load_state_dict({
+            "state": {i: {kind: tensors[f"{kind}/{name}"] for kind in _OPTIMIZER_STATE}
+                      for i, name in enumerate(self.names) if f"step/{name}" in tensors},
+            "param_groups": groups, "masters": [tensors[f"master/{name}"] for name in self.names],
+            "loss_scaler": meta["loss_scaler"]})
+        self.scheduler.load_state_dict(meta["scheduler"])
+        for key, value in meta["engine"].items():
+            setattr(self.engine, key, value)
+        with safe_open(path / "rng.safetensors", framework="pt") as fh:
+            ranks = len({key.split("/")[0] for key in fh.keys()})
+            mine = f"rank{self.dist.rank % ranks}"  # another world size (--force): rank r takes r % theirs
+            torch.set_rng_state(fh.get_tensor(f"{mine}/cpu"))
+            if self.dist.device.type == "cuda" and f"{mine}/cuda" in fh.keys():
+                torch.cuda.set_rng_state(fh.get_tensor(f"{mine}/cuda"), self.dist.device)
+        if path.parent == self.directory:  # another run's checkpoint (--resume-from) is not one of this run's
+            self.last_step = manifest["step"]
+        return json.loads((path / "state.json").read_text(encoding="utf-8"))
+
+    def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This stage's tensors (masters, AdamW state by parameter name) and the rest, JSON-ready."""
+        full = self.optimizer.state_dict()
+        tensors = {f"master/{name}": master for name, master in zip(self.names, full["masters"])}
+        for i, name in enumerate(self.names):
+            for kind, value in full["state"].get(i, {}).items():
+                tensors[f"{kind}/{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in full["param_groups"]]
+        engine = {key: getattr(self.engine, key) for key in ("global_steps", "global_samples", "skipped_steps")}
+        return tensors, {"param_groups": groups, "loss_scaler": full["loss_scaler"],
+                         "scheduler": self.scheduler.state_dict(), "engine": engine}
+
+
+def _publish(directory: Path, name: str, data: bytes) -> dict[str, str]:
+    write_bytes_atomic(directory / name, data)
+    return {name: hash_bytes(data)}
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _gather_rng(dist: Dist) -> list[dict[str, torch.Tensor | None]]:
+    """Every rank's RNG states (CPU, and CUDA on GPUs: LoRA dropout draws there), by global rank: a stage's
+    checkpoint is written by one rank but read by all of the stage's data-parallel ranks."""
+    mine = {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.type == "cuda" else None}
+    if dist.world == 1:
+        return [mine]
+    states: list = [None] * dist.world
+    torch.distributed.all_gather_object(states, mine)
+    return states

@@ -1,0 +1,244 @@
+"""Samples during training: `train.samples.prompts` rendered at step 0, every `every_steps` steps and at the end,
+with the LoRA as it is then, through the family's own diffusers pipeline and scheduler.
+
+Where they go: `runs/samples/<run id>/step<N>/<i>.png` (and `.mp4` for videos), one grid per step beside them
+(`step<N>.png`, prompts left to right) and in TensorBoard (`samples`); at the end the grids are copied to the
+train stage's `reports/samples/` (DVC image plots) with `progress.png`, one row per prompt across the steps.
+
+Nothing extra sits on the device during training: prompts are text-store entries (encode embeds them like
+captions), and the VAE waits in CPU memory, visiting the device only while samples render. The denoiser is the
+one being trained; layers under block swapping load their weights only while they compute, as in training.
+
+With several pipeline stages, rank 0 renders and the layers of the other stages run where they live: in rank 0's
+denoiser each module of another stage is replaced, for the render, by a stand-in that sends its inputs to the
+rank of that stage (in rank 0's pipeline) and returns what that rank computed. Each rank keeps only its own
+weights, as in training, so sampling fits wherever training fits, however the model is split; gathering the
+whole denoiser on one rank would not (a model is split across stages because it does not fit on one device).
+The LoRA needs no gathering either: each stage's LoRA weights are used where they are trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.fileio import write_bytes_atomic
+from diffusion_pipe.models.base import Adapter
+from diffusion_pipe.params import ModelParams, SampleParams
+from diffusion_pipe.encode.encode import caption_text_keys
+from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, poster, render_prompt, write_media
+from diffusion_pipe.store import Store
+from diffusion_pipe.train.pipeline import Dist
+from diffusion_pipe.train.swap import SwappedLayer
+
+
+def sample_steps(samples: SampleParams, total_steps: int) -> list[int]:
+    """The steps whose samples a run of `total_steps` renders: 0, every `every_steps`, and the last."""
+    every = samples.every_steps
+    steps = {0, total_steps} | (set(range(every, total_steps, every)) if every else set())
+    return sorted(steps) if samples.prompts else []
+
+
+class TrainingSamples:
+    """Renders the sample prompts at the steps `sample_steps` names. Every rank calls `render` at every step;
+    rank 0 renders, the ranks holding the other stages of rank 0's pipeline serve their layers meanwhile, and
+    the rest return at once."""
+
+    def __init__(self, samples: SampleParams, total_steps: int, adapter: Adapter, denoiser: nn.Module,
+                 module: nn.Module, dist: Dist, owners: dict[str, int], texts: dict[str, dict], run_dir: Path,
+                 publish_dir: Path | None, writer) -> None:
+        self.prompts = samples.resolved()
+        self.steps = set(sample_steps(samples, total_steps))
+        self.adapter, self.denoiser, self.module, self.dist = adapter, denoiser, module, dist
+        self.owners = owners  # module name in the denoiser -> global rank that holds it (other stages only)
+        self.texts = texts
+        self.run_dir, self.publish_dir, self.writer = run_dir, publish_dir, writer
+        self.serving = dist.rank != 0 and dist.rank in set(owners.values())
+        self.vae = adapter.load_vae(torch.device("cpu")) if dist.rank == 0 and self.prompts else None
+        self.done: set[int] = set()
+        self.seconds = 0.0  # wall time rank 0 spent rendering and writing samples
+
+    @classmethod
+    def create(cls, samples: SampleParams, total_steps: int, model: ModelParams, text_max_length: int,
+               adapter: Adapter, store: Store, denoiser: nn.Module, module: nn.Module, dist: Dist,
+               num_stages: int, dp_world: int, run_dir: Path, publish_dir: Path | None, writer) -> TrainingSamples:
+        """Check the prompts against the model and the store (before step 1), and plan who computes what."""
+        if samples.prompts and adapter.expert:
+            raise ConfigError(f"train.samples.prompts: rendering needs every expert of the model, and this run "
+                              f"trains only '{adapter.expert}'; leave the prompts empty for expert runs")
+        texts: dict[str, dict] = {}
+        for prompt in samples.resolved():
+            check_prompt_size(adapter, prompt)
+        if samples.prompts and dist.rank == 0:
+            keys = caption_text_keys(adapter, model, text_max_length, samples.texts())
+            missing = sorted(text for text, key in keys.items() if not store.contains("text", key))
+            if missing:
+                raise ConfigError(f"train.samples.prompts: {missing[0]!r} (and {len(missing) - 1} more) have no "
+                                  f"text entry in the store at {store.root}; run the encode stage (dvc repro "
+                                  "encode), which embeds the sample prompts like captions")
+            texts = {text: store.get("text", key) for text, key in keys.items()}
+        owners = remote_owners(adapter, denoiser, num_stages, dp_world) if num_stages > 1 else {}
+        return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,
+                   writer)
+
+    def render(self, step: int, final: bool = False) -> None:
+        """Render the samples of `step` if it is one of the sample steps (at most once per step); `final` at
+        the end of training also publishes the grids to the stage's output."""
+        if step in self.steps and step not in self.done:
+            self.done.add(step)
+            if self.dist.rank == 0:
+                self._render(step)
+            elif self.serving:
+                _serve(self.denoiser, self.module, self.dist.device)
+        if final and self.dist.rank == 0 and self.publish_dir is not None and self.prompts:
+            self._publish()
+
+    def _render(self, step: int) -> None:
+        started = time.perf_counter()
+        device = self.dist.device
+        was_training = self.module.training
+        self.denoiser.eval()  # no LoRA dropout
+        forked = [device] if device.type == "cuda" else []
+        try:
+            # The training RNG is left as it was: a run with samples trains exactly like one without.
+            with torch.random.fork_rng(devices=forked), _swapped_in(self.module), \
+                    _remote_modules(self.denoiser, self.owners, device):
+                self.vae.to(device)
+                pipe = self.adapter.sample_pipeline(self.denoiser, self.vae)
+                rendered = [render_prompt(pipe, self.adapter, p, self.texts[p.prompt], self.texts[p.negative_prompt],
+                                          device) for p in self.prompts]
+        finally:
+            self.vae.to("cpu")
+            self.module.train(was_training)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        step_dir = self.run_dir / f"step{step:06d}"
+        for i, pixels in enumerate(rendered):
+            write_media(step_dir / f"{i:02d}", pixels)
+        row = grid([[poster(p) for p in rendered]])
+        write_bytes_atomic(self.run_dir / f"step{step:06d}.png", png_bytes(row))
+        if self.writer is not None:
+            self.writer.add_image("samples", row, step, dataformats="HWC")
+        self.seconds += time.perf_counter() - started
+
+    def _publish(self) -> None:
+        """Every step's grid of this run, and one row per prompt across the steps, into `publish_dir`."""
+        from PIL import Image
+
+        steps = sorted(int(p.name[4:]) for p in self.run_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit())
+        for step in steps:
+            write_bytes_atomic(self.publish_dir / f"step{step:06d}.png",
+                               (self.run_dir / f"step{step:06d}.png").read_bytes())
+        rows = [[np.asarray(Image.open(self.run_dir / f"step{step:06d}" / f"{i:02d}.png").convert("RGB"))
+                 for step in steps if (self.run_dir / f"step{step:06d}" / f"{i:02d}.png").is_file()]
+                for i in range(len(self.prompts))]
+        write_bytes_atomic(self.publish_dir / "progress.png", png_bytes(grid(rows)))
+
+
+def remote_owners(adapter: Adapter, denoiser: nn.Module, num_stages: int, dp_world: int) -> dict[str, int]:
+    """For rank 0's pipeline: each denoiser module that a layer of stage 1.. wraps, by name, and the global rank
+    holding that stage. A layer's modules are its direct children (FluxBlock wraps a transformer block, FluxOut
+    the output norm and projection); each must be a module of the denoiser, so that rank 0 can stand in for it."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from diffusion_pipe.train.build import stage_bounds
+
+    names = {id(m): name for name, m in denoiser.named_modules() if name}
+    layers = adapter.pipeline_layers(denoiser)
+    topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=dp_world)
+    owners: dict[str, int] = {}
+    for stage in range(1, num_stages):
+        start, stop = stage_bounds(len(layers), num_stages, stage)
+        for layer in layers[start:stop]:
+            for child in layer.children():
+                if id(child) not in names:
+                    raise TypeError(f"{type(layer).__name__}: child {type(child).__name__} is not a module of the "
+                                    "denoiser; pipeline layers must wrap the denoiser's own modules")
+                owners[names[id(child)]] = topology.get_rank(pipe=stage, data=0)
+    return owners
+
+
+def _tree_to(obj, device: torch.device):
+    """`obj` (tensors in tuples, lists, dicts) with every tensor on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_tree_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _tree_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+class _RemoteModule(nn.Module):
+    """Stands in for module `name` of another pipeline stage: its call runs on rank `owner` (see `_serve`)."""
+
+    def __init__(self, name: str, owner: int, device: torch.device) -> None:
+        super().__init__()
+        self.name, self.owner, self.device = name, owner, device
+
+    def forward(self, *args, **kwargs):
+        cpu = torch.device("cpu")  # pickled CUDA tensors would land on the sender's GPU index
+        torch.distributed.send_object_list([(self.name, _tree_to(args, cpu), _tree_to(kwargs, cpu))], dst=self.owner)
+        reply = [None]
+        torch.distributed.recv_object_list(reply, src=self.owner)
+        return _tree_to(reply[0], self.device)
+
+
+@contextlib.contextmanager
+def _remote_modules(denoiser: nn.Module, owners: dict[str, int], device: torch.device) -> Iterator[None]:
+    """Rank 0's denoiser with the other stages' modules replaced by stand-ins; afterwards the originals are back
+    and every serving rank is told the render is over."""
+    originals = {name: denoiser.get_submodule(name) for name in owners}
+    for name, owner in owners.items():
+        denoiser.set_submodule(name, _RemoteModule(name, owner, device))
+    try:
+        yield
+    finally:
+        for name, module in originals.items():
+            denoiser.set_submodule(name, module)
+        for owner in sorted(set(owners.values())):
+            torch.distributed.send_object_list([None], dst=owner)
+
+
+@torch.no_grad()
+def _serve(denoiser: nn.Module, module: nn.Module, device: torch.device) -> None:
+    """On a rank of another stage of rank 0's pipeline: run the module calls rank 0 sends until it says done."""
+    was_training = module.training
+    denoiser.eval()
+    try:
+        with _swapped_in(module):
+            while True:
+                message = [None]
+                torch.distributed.recv_object_list(message, src=0)
+                if message[0] is None:
+                    return
+                name, args, kwargs = message[0]
+                out = denoiser.get_submodule(name)(*_tree_to(args, device), **_tree_to(kwargs, device))
+                torch.distributed.send_object_list([_tree_to(out, torch.device("cpu"))], dst=0)
+    finally:
+        module.train(was_training)
+
+
+@contextlib.contextmanager
+def _swapped_in(module: nn.Module) -> Iterator[None]:
+    """Layers under block swapping, called from the pipeline's forward instead of their wrapper: each of their
+    modules loads the layer's frozen weights for its call and drops them after, as training does."""
+    handles = []
+    for swapped in (m for m in module.modules() if isinstance(m, SwappedLayer)):
+        for child in swapped.layer.children():
+            stack = contextlib.ExitStack()
+            handles.append(child.register_forward_pre_hook(
+                lambda _m, _a, s=swapped, st=stack: st.enter_context(s.loaded())))
+            handles.append(child.register_forward_hook(lambda _m, _a, _o, st=stack: st.close()))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

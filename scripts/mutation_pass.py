@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Break the code on purpose, one small change at a time, and check that the tests notice.
+
+Each mutation names a file, an exact text in it, its replacement, and the tests that must catch it. The pass
+copies the repository's committed tree (`git archive HEAD`) once, then for each mutation makes a fresh copy,
+applies the change there and runs the named tests with this repository's .venv (PYTHONPATH points at the copy,
+so the copy's code is what runs, in spawned stages too). The repository's own files are never touched.
+
+    python scripts/mutation_pass.py                  # every mutation; a Markdown table at the end
+    python scripts/mutation_pass.py --list           # what would run
+    python scripts/mutation_pass.py --only export-2x-alpha resume-rank0-rng
+    python scripts/mutation_pass.py --baseline       # the same tests on the unmutated copy (must pass)
+
+Exit status 1 if a mutation survived (its tests passed) or could not be applied (its text is gone: update
+the list), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A one-place change to `path` (repo-relative): `old` (exact, found once) becomes `new`."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str
+
+
+ENCODE = "diffusion_pipe/encode/encode.py"
+KEYS = "diffusion_pipe/encode/keys.py"
+PACK = "diffusion_pipe/store/pack.py"
+STORE = "diffusion_pipe/store/store.py"
+LOOP = "diffusion_pipe/train/loop.py"
+EXPORT = "diffusion_pipe/export/lora.py"
+PLAN_TESTS = ("tests/encode/test_plan.py",)
+ORDER_TESTS = ("tests/store/test_write_order.py",)
+EXPORT_TESTS = ("tests/export/test_export_stage.py", "tests/export/test_merge.py")
+
+MUTATIONS: list[Mutation] = [
+    # keys, and what encode feeds them
+    Mutation("encode-empty-vae-hash", ENCODE, "vae_hash=vae_hash, vae_dtype=model.dtype)",
+             'vae_hash="", vae_dtype=model.dtype)', PLAN_TESTS, "latent keys ignore the VAE's weights"),
+    Mutation("encode-constant-text-max-length", ENCODE, "max_length=encode.text_max_length, dtype=model.dtype)",
+             "max_length=512, dtype=model.dtype)", PLAN_TESTS, "text keys ignore encode.text_max_length"),
+    Mutation("encode-empty-tokenizer-hashes", ENCODE, "tokenizer_hashes=tokenizer_hashes, max_length",
+             "tokenizer_hashes={}, max_length", PLAN_TESTS, "text keys ignore the tokenizers"),
+    Mutation("encode-empty-bucket", ENCODE, 'latent_key(content_hash=row["content_hash"], bucket=bucket,',
+             'latent_key(content_hash=row["content_hash"], bucket="",', PLAN_TESTS,
+             "every bucket of an item shares one latent"),
+    Mutation("encode-text-encoders-unhashed", ENCODE, "text_key(caption=row[\"caption\"], template=\"\", "
+             "encoder_hashes=encoder_hashes,", "text_key(caption=row[\"caption\"], template=\"\", "
+             "encoder_hashes={},", PLAN_TESTS, "text keys ignore the text encoders' weights"),
+    Mutation("encode-never-uploads", ENCODE, "if remote is not None and encode.push:",
+             "if remote is not None and not encode.push:", ("tests/encode/test_remote.py",),
+             "encode computes but never uploads to the remote"),
+    Mutation("encode-never-fetches", ENCODE, "if remote is not None and mine:", "if remote is None and mine:",
+             ("tests/encode/test_remote.py",), "encode never looks in the remote"),
+    Mutation("keys-drop-max-length", KEYS, '"max_length": max_length,', '"max_length": 0,',
+             ("tests/encode/test_keys.py",), "the text key function drops max_length"),
+    Mutation("keys-drop-format-version", KEYS, '"family": "latent",\n            "format_version": FORMAT_VERSION,',
+             '"family": "latent",', ("tests/encode/test_keys.py",), "latent keys ignore FORMAT_VERSION"),
+    # store writes and reads
+    Mutation("store-no-fsync", PACK, "                os.fsync(fh.fileno())", "                fh.flush()",
+             ORDER_TESTS, "the pack is renamed without being fsynced"),
+    Mutation("store-no-dir-fsync", PACK, "            fsync_dir(directory)\n        except BaseException:",
+             "            pass\n        except BaseException:", ORDER_TESTS,
+             "the pack's rename is not made durable before its sidecar"),
+    Mutation("store-written-in-place", PACK, "os.replace(tmp, directory / (pack_id + PACK_SUFFIX))",
+             "__import__('shutil').copyfile(tmp, directory / (pack_id + PACK_SUFFIX)); tmp.unlink()",
+             ORDER_TESTS, "the pack is copied into its final name (written in place), not renamed"),
+    Mutation("store-sidecar-first", PACK,
+             "            # Replacing an existing pack of the same id is harmless: same id, same bytes.\n"
+             "            os.replace(tmp, directory / (pack_id + PACK_SUFFIX))\n"
+             "            fsync_dir(directory)\n",
+             "            write_bytes_atomic(directory / (pack_id + SIDECAR_SUFFIX), canonical_json(Sidecar.build("
+             "self.family, pack_id, size, layouts).to_json()).encode('utf-8'))\n"
+             "            os.replace(tmp, directory / (pack_id + PACK_SUFFIX))\n"
+             "            fsync_dir(directory)\n",
+             ORDER_TESTS, "the sidecar is published before the pack is renamed"),
+    Mutation("store-no-size-check", STORE, "            if size != sidecar.size:\n                index.problems",
+             "            if False:\n                index.problems", ("tests/store/test_corruption.py",),
+             "a truncated pack becomes visible"),
+    Mutation("store-no-shape-check", STORE, "if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:",
+             "if False:", ("tests/store/test_corruption.py",), "get() returns tensors its sidecar disagrees with"),
+    # resume
+    Mutation("resume-rank0-rng", LOOP, 'client["rng"][dist.rank % len(client["rng"])]', 'client["rng"][0]',
+             ("tests/train/test_resume.py",), "every rank restores rank 0's RNG states"),
+    Mutation("resume-no-rng", LOOP, "        _restore_rng(client, dist)\n", "        pass\n",
+             ("tests/train/test_resume.py",), "a resumed run draws from a fresh RNG"),
+    Mutation("resume-position-lost", LOOP, 'state["position"] = loader.position', 'state["position"] = 0',
+             ("tests/train/test_resume.py",), "a resumed run restarts the data order"),
+    # export scale
+    Mutation("export-2x-alpha", EXPORT, "scale = alpha / rank", "scale = 2 * alpha / rank", EXPORT_TESTS,
+             "the export stage folds 2 x alpha"),
+    Mutation("export-no-fold", EXPORT, "folded = fold_scale(lora, rank, alpha)", "folded = lora",
+             ("tests/export/test_export_stage.py",), "the export stage does not fold alpha/rank"),
+    Mutation("train-alpha-metadata", LOOP, '"lora_alpha": str(train.lora_alpha),',
+             '"lora_alpha": str(train.lora_rank),', ("tests/export/test_export_stage.py",),
+             "the trained LoRA records rank as its alpha"),
+    Mutation("export-comfyui-alpha", "diffusion_pipe/export/keys.py", 'f"{prefix}.alpha": torch.tensor(float(a.shape[0]))',
+             'f"{prefix}.alpha": torch.tensor(float(2 * a.shape[0]))', ("tests/export/test_export_stage.py",),
+             "ComfyUI files carry an .alpha other than the rank"),
+    # scan policies
+    Mutation("scan-error-policy-defaults", "diffusion_pipe/scan/captions.py", '    if policy == "default":\n',
+             '    if policy in ("default", "error"):\n', ("tests/scan/test_scan.py", "tests/scan/test_captions.py"),
+             "caption_policy 'error' silently trains on the default caption"),
+    Mutation("scan-empty-caption-is-a-caption", "diffusion_pipe/scan/captions.py",
+             "    if read is not None and read.text:\n", "    if read is not None:\n",
+             ("tests/scan/test_scan.py", "tests/scan/test_captions.py"), "an empty .txt trains as an empty caption"),
+]
+
+
+def archive(dest: Path) -> None:
+    """The committed tree (HEAD) of the repository, unpacked into `dest`."""
+    dest.mkdir(parents=True)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "HEAD"], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
+    """Run `tests` in `tree` with the repository's interpreter; (outcome, seconds, last output line)."""
+    python = REPO / ".venv" / "bin" / "python"
+    env = {**os.environ, "PYTHONPATH": str(tree), "DVC_NO_ANALYTICS": "1", "PYTHONWARNINGS": "ignore",
+           "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("DIFFUSION_PIPE_STORE", None)
+    cmd = [str(python), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *tests]
+    started = time.monotonic()
+    try:
+        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - started, "timed out"
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    outcome = {0: "passed", 1: "failed"}.get(out.returncode, f"error (exit {out.returncode})")
+    return outcome, time.monotonic() - started, str(last)
+
+
+def check_copy_is_used(tree: Path) -> None:
+    """The copy's package, not the repository's editable install, must be what the tests import."""
+    python = REPO / ".venv" / "bin" / "python"
+    where = subprocess.run([str(python), "-c", "import diffusion_pipe; print(diffusion_pipe.__file__)"], cwd="/",
+                           env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    if not where.startswith(str(tree)):
+        sys.exit(f"mutation_pass: the copy imports diffusion_pipe from {where}, not {tree}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="names of the mutations to run")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--baseline", action="store_true", help="run each mutation's tests without the mutation")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation's test run")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.only and len(chosen) != len(set(args.only)):
+        sys.exit(f"mutation_pass: unknown names in {args.only}; --list shows them")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:36} {m.path}: {m.what}  [{' '.join(m.tests)}]")
+        return 0
+
+    work = Path(tempfile.mkdtemp(prefix="mut-"))
+    base = work / "base"
+    archive(base)
+    check_copy_is_used(base)
+    rows, bad = [], 0
+    try:
+        for m in chosen:
+            tree = work / m.name
+            shutil.copytree(base, tree, symlinks=True)
+            target = tree / m.path
+            text = target.read_text() if target.is_file() else ""
+            count = text.count(m.old)
+            if count != 1:
+                outcome, seconds, last = f"not applied ({count} matches)", 0.0, ""
+            else:
+                if not args.baseline:
+                    target.write_text(text.replace(m.old, m.new))
+                outcome, seconds, last = run_tests(tree, m.tests, args.timeout)
+            if args.baseline:
+                verdict = "ok" if outcome == "passed" else f"BASELINE {outcome}"
+            else:
+                verdict = {"failed": "caught", "passed": "SURVIVED"}.get(outcome, outcome)
+            bad += verdict not in ("caught", "ok")
+            rows.append((m, verdict, seconds, last))
+            print(f"{m.name}: {verdict} in {seconds:.0f} s ({last})", file=sys.stderr, flush=True)
+            if not args.keep:
+                shutil.rmtree(tree, ignore_errors=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print("| mutation | what it breaks | tests | result | seconds |")
+    print("|---|---|---|---|---|")
+    for m, verdict, seconds, _ in rows:
+        print(f"| `{m.name}` | {m.what} | {', '.join(t.removeprefix('tests/') for t in m.tests)} | {verdict} | "
+              f"{seconds:.0f} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

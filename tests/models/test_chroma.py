@@ -1,0 +1,104 @@
+"""The Chroma adapter: the shared contract on a tiny Chroma-shaped model, the text mask, and its ComfyUI export
+checked through diffusers' own converter of original (BFL/ComfyUI-named) Chroma checkpoints."""
+
+import inspect
+
+import pytest
+import torch
+
+from diffusion_pipe.export.keys import lora_modules
+from diffusion_pipe.models.chroma import ChromaAdapter
+from diffusion_pipe.models.flux import original_flux_state_dict, unpack_latents
+from tests.models.contract import AdapterContract
+
+INNER, MLP = 32, 128  # the tiny model's widths: 2 heads x 16, mlp_ratio 4
+
+
+class TestChromaContract(AdapterContract):
+    adapter_cls = ChromaAdapter
+    pipeline_cls = "ChromaPipeline"
+    denoiser_attr = "transformer"
+    media_sizes = ((32, 32, 1), (48, 32, 1))
+    # ChromaPipeline's loader (Flux's) splits fused ComfyUI qkv LoRAs by the real width (3072), so it cannot load
+    # a tiny model's; test_comfyui_delta_equals_diffusers_delta below checks that format instead.
+    roundtrip_formats = ("diffusers",)
+
+    def unsplit_forward(self, adapter, denoiser, inputs, like):
+        full = denoiser(hidden_states=inputs[0], timestep=inputs[1], encoder_hidden_states=inputs[2],
+                        attention_mask=inputs[3], img_ids=inputs[4][0], txt_ids=inputs[5][0], return_dict=False)[0]
+        return unpack_latents(full, like.shape[-2], like.shape[-1])
+
+    def test_text_mask_keeps_one_padding_token(self, adapter):
+        encoders = adapter.load_text_encoders(torch.device("cpu"))
+        short, long = adapter.encode_text(encoders, ["a cat", "the quick brown fox jumps over the lazy dog " * 4], 16)
+        tokens = encoders.pipeline.tokenizer("a cat").input_ids
+        assert short["t5_mask"].tolist() == [1.0] * (len(tokens) + 1) + [0.0] * (16 - len(tokens) - 1)
+        assert long["t5_mask"].tolist() == [1.0] * 16  # truncated: no padding to keep
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> ChromaAdapter:
+    out = tmp_path_factory.mktemp("chroma")
+    ChromaAdapter.build_tiny(out, seed=0)
+    return ChromaAdapter(out, torch.float32)
+
+
+def original_chroma_state_dict(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tiny model in the original layout ComfyUI loads: Flux's names, plus the approximator's own."""
+    approximator = {k: v for k, v in base.items() if k.startswith("distilled_guidance_layer.")}
+    renamed = {k.replace(".linear_1.", ".in_layer.").replace(".linear_2.", ".out_layer.")
+               .replace(".weight", ".scale") if ".norms." in k else
+               k.replace(".linear_1.", ".in_layer.").replace(".linear_2.", ".out_layer."): v
+               for k, v in approximator.items()}
+    rest = {k: v for k, v in base.items() if k not in approximator}
+    return {**original_flux_state_dict(rest, INNER, MLP), **renamed}
+
+
+def to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' own original -> diffusers Chroma converter, its hard-coded width (3072) set to the tiny one."""
+    import diffusers.loaders.single_file_utils as sfu
+
+    source = inspect.getsource(sfu.convert_chroma_transformer_checkpoint_to_diffusers)
+    assert "inner_dim = 3072" in source
+    namespace = dict(vars(sfu))
+    exec(source.replace("inner_dim = 3072", f"inner_dim = {INNER}"), namespace)
+    return namespace["convert_chroma_transformer_checkpoint_to_diffusers"](dict(original))
+
+
+def test_comfyui_delta_equals_diffusers_delta(tiny):
+    """Every exported key lands on a module of the original model, and merged there (as ComfyUI merges:
+    W += alpha / rank * up @ down), converted back by diffusers == merged in diffusers' layout."""
+    base = {k: v.clone() for k, v in tiny.load_denoiser(torch.device("cpu")).state_dict().items()}
+    original = original_chroma_state_dict(base)
+    assert set(to_diffusers(original)) == set(base)
+    gen = torch.Generator().manual_seed(0)
+    modules = [n for n, m in tiny.load_denoiser(torch.device("cpu")).named_modules()
+               if isinstance(m, torch.nn.Linear) and not n.startswith("distilled_guidance_layer.")]
+    lora = {}
+    for i, module in enumerate(modules):
+        out_features, in_features = base[f"{module}.weight"].shape
+        lora[f"{module}.lora_A.weight"] = torch.randn(2 + i % 3, in_features, generator=gen)
+        lora[f"{module}.lora_B.weight"] = torch.randn(out_features, 2 + i % 3, generator=gen)
+    exported = tiny.export_lora(lora, "comfyui")
+    merged = dict(original)
+    for key in exported:
+        if key.endswith(".lora_down.weight"):
+            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+            down, up = exported[key], exported[f"diffusion_model.{module}.lora_up.weight"]
+            scale = exported[f"diffusion_model.{module}.alpha"].item() / down.shape[0]
+            merged[f"{module}.weight"] = original[f"{module}.weight"] + scale * up @ down
+    assert len(exported) == 3 * len({k.rsplit(".", 2)[0] for k in exported if k.endswith(".lora_down.weight")})
+    want = dict(base)
+    for module, (a, b) in lora_modules(lora).items():
+        want[f"{module}.weight"] = base[f"{module}.weight"] + b @ a
+    got = to_diffusers(merged)
+    for key in base:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+def test_no_guidance_input_and_images_only(tiny):
+    text = {"t5": torch.zeros(1, 8, 32), "t5_mask": torch.ones(1, 8)}
+    inputs = tiny.model_inputs(torch.zeros(1, 4, 4, 6), torch.zeros(1), text, guidance=4.0)
+    assert len(inputs) == 6 and inputs[3].shape == (1, 8 + 2 * 3)
+    with pytest.raises(ValueError, match="family 'chroma' trains on images only"):
+        tiny.encode_media(None, torch.zeros(1, 3, 5, 32, 32))

@@ -1,0 +1,250 @@
+"""Checkpoints as users have them: single files in their original layouts (BFL Flux, ComfyUI text encoders),
+bf16 and fp8 (with ComfyUI's per-tensor scales), written from the tiny models and loaded through model views."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffusion_pipe.models import load_adapter
+from diffusion_pipe.models.checkpoints import hub_revision, resolve_model, single_file_weights
+from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.params import ModelParams
+from diffusion_pipe.weights import component_hash
+
+FP8_MAX = 448.0  # largest float8_e4m3fn value
+
+
+def flux_to_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers Flux transformer state dict in Black Forest Labs' original layout (what ComfyUI and BFL ship):
+    fused qkv, single blocks' fused linear1, (shift, scale) order of the final modulation."""
+    s = dict(state)
+    out = {}
+
+    def take(src: str, dst: str) -> None:
+        for suffix in ("weight", "bias"):
+            out[f"{dst}.{suffix}"] = s.pop(f"{src}.{suffix}")
+
+    for src, dst in [("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+                     ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                     ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+                     ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+                     ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+                     ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+                     ("context_embedder", "txt_in"), ("x_embedder", "img_in"), ("proj_out", "final_layer.linear")]:
+        take(src, dst)
+    doubles = sorted({int(k.split(".")[1]) for k in s if k.startswith("transformer_blocks.")})
+    for i in doubles:
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for src, dst in [("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
+                         ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"), ("ff_context.net.0.proj", "txt_mlp.0"),
+                         ("ff_context.net.2", "txt_mlp.2"), ("attn.to_out.0", "img_attn.proj"),
+                         ("attn.to_add_out", "txt_attn.proj")]:
+            take(d + src, b + dst)
+        for suffix in ("weight", "bias"):
+            out[f"{b}img_attn.qkv.{suffix}"] = torch.cat([s.pop(f"{d}attn.to_{x}.{suffix}") for x in "qkv"])
+            out[f"{b}txt_attn.qkv.{suffix}"] = torch.cat([s.pop(f"{d}attn.add_{x}_proj.{suffix}") for x in "qkv"])
+        for src, dst in [("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+                         ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm")]:
+            out[f"{b}{dst}.scale"] = s.pop(f"{d}attn.{src}.weight")
+    singles = sorted({int(k.split(".")[1]) for k in s if k.startswith("single_transformer_blocks.")})
+    for i in singles:
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        take(d + "norm.linear", b + "modulation.lin")
+        take(d + "proj_out", b + "linear2")
+        for suffix in ("weight", "bias"):
+            out[f"{b}linear1.{suffix}"] = torch.cat(
+                [s.pop(f"{d}attn.to_{x}.{suffix}") for x in "qkv"] + [s.pop(f"{d}proj_mlp.{suffix}")])
+        out[f"{b}norm.query_norm.scale"] = s.pop(f"{d}attn.norm_q.weight")
+        out[f"{b}norm.key_norm.scale"] = s.pop(f"{d}attn.norm_k.weight")
+    for suffix in ("weight", "bias"):  # diffusers keeps (scale, shift), BFL (shift, scale)
+        scale, shift = s.pop(f"norm_out.linear.{suffix}").chunk(2)
+        out[f"final_layer.adaLN_modulation.1.{suffix}"] = torch.cat([shift, scale])
+    assert not s, f"unmapped: {sorted(s)}"
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_fp8(state: dict[str, torch.Tensor], scaled: bool) -> dict[str, torch.Tensor]:
+    """Matrices in float8_e4m3fn as ComfyUI stores them: with `scaled`, each divided by a per-tensor scale
+    (max |w| / 448) kept as '<module>.scale_weight', plus the 'scaled_fp8' marker; vectors stay as they are."""
+    out = {}
+    for name, tensor in state.items():
+        if tensor.dim() == 2 and name.endswith(".weight"):
+            scale = tensor.float().abs().max() / FP8_MAX if scaled else torch.tensor(1.0)
+            out[name] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            if scaled:
+                out[name.removesuffix("weight") + "scale_weight"] = scale.reshape(())
+        else:
+            out[name] = tensor
+    if scaled:
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return out
+
+
+def dequantised(fp8_state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """What a fp8 file's tensor `name` holds, in float32."""
+    scale = fp8_state.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0))
+    return fp8_state[name].float() * scale
+
+
+@pytest.fixture(scope="module")
+def flux_files(tmp_path_factory) -> tuple[Path, dict[str, Path], dict[str, torch.Tensor]]:
+    """A tiny Flux in diffusers format, and its transformer as BFL single files in bf16, fp8 and scaled fp8,
+    its text encoders as ComfyUI-style single files (transformers keys, CLIP's legacy `text_model.` level)."""
+    root = tmp_path_factory.mktemp("flux-single")
+    FluxAdapter.build_tiny(root / "model", seed=0)
+    adapter = FluxAdapter(root / "model", torch.float32)
+    state = {k: v.bfloat16() for k, v in adapter.load_denoiser(torch.device("cpu")).state_dict().items()}
+    bfl = flux_to_bfl(state)
+    files = {"bf16": root / "flux1-tiny.safetensors", "fp8": root / "flux1-tiny-fp8.safetensors",
+             "fp8_scaled": root / "flux1-tiny-fp8-scaled.safetensors"}
+    save_file(bfl, files["bf16"])
+    save_file(to_fp8(bfl, scaled=False), files["fp8"])
+    save_file(to_fp8(bfl, scaled=True), files["fp8_scaled"])
+    from safetensors.torch import load_file
+    clip = load_file(root / "model" / "text_encoder" / "model.safetensors")
+    save_file({f"text_model.{k}": v for k, v in clip.items()}, root / "clip_l.safetensors")
+    files["clip_l"] = root / "clip_l.safetensors"
+    files["t5"] = root / "model" / "text_encoder_2" / "model.safetensors"
+    files["vae"] = root / "model" / "vae" / "diffusion_pytorch_model.safetensors"
+    return root / "model", files, state
+
+
+@pytest.fixture(autouse=True)
+def _store(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(tmp_path / "store"))
+
+
+def params(model_dir: Path, **single) -> ModelParams:
+    return ModelParams(family="flux", path=str(model_dir), dtype="bfloat16", **single)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_scaled"])
+def test_bfl_transformer_loads_through_diffusers_converter(flux_files, kind):
+    """A BFL-layout transformer file loads to exactly the diffusers model's weights (bf16), or to the values its
+    fp8 file holds (dequantised by its scales)."""
+    model_dir, files, state = flux_files
+    adapter = load_adapter(params(model_dir, transformer=str(files[kind])))
+    assert adapter.denoiser_dir().name == "transformer" and adapter.model_dir != model_dir.resolve()
+    loaded = adapter.load_denoiser(torch.device("cpu")).state_dict()
+    assert set(loaded) == set(state)
+    if kind == "bf16":
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor), name
+        return
+    from safetensors.torch import load_file
+    fp8 = load_file(files[kind])
+    bfl_name = {"transformer_blocks.0.attn.to_out.0.weight": "double_blocks.0.img_attn.proj.weight",
+                "single_transformer_blocks.0.proj_out.weight": "single_blocks.0.linear2.weight"}
+    for name, original in bfl_name.items():
+        assert torch.equal(loaded[name], dequantised(fp8, original).bfloat16()), name
+    width = state["transformer_blocks.0.attn.to_k.weight"].shape[0]
+    k = dequantised(fp8, "double_blocks.0.img_attn.qkv.weight")[width:2 * width]
+    assert torch.equal(loaded["transformer_blocks.0.attn.to_k.weight"], k.bfloat16())
+    # fp8 keeps about 2 significant bits less than bf16: within 1/8 of each tensor's largest value
+    for name, tensor in state.items():
+        tol = tensor.float().abs().max() / 8 + 1e-6
+        assert (loaded[name].float() - tensor.float()).abs().max() <= tol, name
+
+
+def test_conversion_reads_views_of_the_file(flux_files):
+    """diffusers' converter runs over views of the mapped file: the fused qkv's slices are not copied, so a
+    pipeline stage reads only the tensors it takes."""
+    from diffusers import FluxTransformer2DModel
+
+    model_dir, files, _ = flux_files
+    config = dict(FluxTransformer2DModel.load_config(model_dir / "transformer"))
+    weights = single_file_weights(files["bf16"], FluxTransformer2DModel, config)
+    q = weights.raw["single_transformer_blocks.0.attn.to_q.weight"]
+    mlp = weights.raw["single_transformer_blocks.0.proj_mlp.weight"]
+    assert q.untyped_storage().data_ptr() == mlp.untyped_storage().data_ptr()  # both slices of linear1
+    assert q.data_ptr() != mlp.data_ptr()
+
+
+def test_stage_reads_only_its_layers(flux_files):
+    """build_local_model over a single file: the stage's layers equal the diffusers-folder build, the other
+    stage's stay on the meta device."""
+    from diffusion_pipe.train.build import build_local_model
+
+    model_dir, files, state = flux_files
+    kwargs = dict(targets=("to_q",), rank=2, alpha=2.0, dropout=0.0, seed=0)
+    single = build_local_model(load_adapter(params(model_dir, transformer=str(files["bf16"]))), 2, 0, **kwargs)
+    folder = build_local_model(load_adapter(params(model_dir)), 2, 0, **kwargs)
+    got, want = single.denoiser.state_dict(), folder.denoiser.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].device == tensor.device, name
+        if tensor.device.type != "meta":
+            assert torch.equal(got[name], tensor), name
+    assert any(t.device.type == "meta" for t in got.values())
+
+
+def test_text_encoders_and_vae_single_files(flux_files):
+    """ComfyUI-style text encoder files (CLIP with the legacy `text_model.` level) and a VAE file load; their
+    embeddings equal the diffusers folder's."""
+    model_dir, files, _ = flux_files
+    single = load_adapter(params(model_dir, vae=str(files["vae"]),
+                                 text_encoders=(str(files["clip_l"]), str(files["t5"]))))
+    folder = load_adapter(params(model_dir))
+    cpu = torch.device("cpu")
+    a = single.encode_text(single.load_text_encoders(cpu), ["a red circle"], 16)[0]
+    b = folder.encode_text(folder.load_text_encoders(cpu), ["a red circle"], 16)[0]
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    pixels = torch.rand(1, 3, 1, 32, 32) * 2 - 1
+    assert torch.equal(single.encode_media(single.load_vae(cpu), pixels)[0]["latents"],
+                       folder.encode_media(folder.load_vae(cpu), pixels)[0]["latents"])
+
+
+def test_hashes_follow_file_content(flux_files, tmp_path):
+    """A single-file component hashes by content: a copy elsewhere hashes the same, another file differently
+    (so swapping the VAE file re-encodes every latent, swapping the transformer re-trains)."""
+    model_dir, files, _ = flux_files
+    copy = tmp_path / "renamed.safetensors"
+    copy.write_bytes(files["bf16"].read_bytes())
+    a = load_adapter(params(model_dir, transformer=str(files["bf16"])))
+    b = load_adapter(params(model_dir, transformer=str(copy)))
+    c = load_adapter(params(model_dir, transformer=str(files["fp8"])))
+    assert component_hash(a.denoiser_dir()) == component_hash(b.denoiser_dir())
+    assert component_hash(a.denoiser_dir()) != component_hash(c.denoiser_dir())
+    assert component_hash(a.denoiser_dir()) != component_hash(model_dir / "transformer")
+    assert component_hash(a.vae_dir()) == component_hash(model_dir / "vae")  # untouched components link through
+    v = load_adapter(params(model_dir, vae=str(files["fp8"])))
+    assert component_hash(v.vae_dir()) != component_hash(model_dir / "vae")
+
+
+def test_errors_name_the_param(flux_files, tmp_path):
+    from diffusion_pipe.config import ConfigError
+
+    model_dir, files, _ = flux_files
+    with pytest.raises(FileNotFoundError, match=r"model.vae: .*missing.safetensors.* is not a .safetensors file"):
+        resolve_model(params(model_dir, vae=str(tmp_path / "missing.safetensors")))
+    with pytest.raises(ConfigError, match=r"model.text_encoders: 1 files given, family 'flux' has 2"):
+        resolve_model(params(model_dir, text_encoders=(str(files["clip_l"]),)))
+    adapter = load_adapter(params(model_dir, vae=str(files["bf16"])))
+    with pytest.raises(ValueError, match=r"flux1-tiny.safetensors: diffusers could not convert it for AutoencoderKL"):
+        adapter.load_vae(torch.device("cpu"))
+
+
+def test_hub_id_from_cache_offline(flux_files, tmp_path, monkeypatch):
+    """A hub id reads the Hugging Face cache under HF_HOME with HF_HUB_OFFLINE=1, and names its revision."""
+    model_dir, files, _ = flux_files
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny-flux"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    import shutil
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    snapshot = resolve_model(ModelParams(family="flux", path="org/tiny-flux"))
+    assert hub_revision(snapshot) == commit
+    view = resolve_model(ModelParams(family="flux", path="org/tiny-flux", transformer=str(files["bf16"])))
+    assert json.loads((view / "transformer" / "single_file.json").read_text())["file"] == str(files["bf16"])
+    assert (view / "vae").resolve() == (snapshot / "vae").resolve()

@@ -1,0 +1,81 @@
+"""`diffusion-pipe init`: one's own dataset (and model) into params.yaml and dvc.yaml in one step, comments kept,
+nothing written when anything is wrong, and the scan stage then accepts it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from diffusion_pipe.cli import main
+from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
+
+
+@pytest.fixture
+def repo_and_data(tmp_path):
+    repo = make_pipeline_repo(tmp_path / "repo", tmp_path / "store", dvc=False)
+    data = tmp_path / "my data"
+    (data / "sub").mkdir(parents=True)
+    for name in ("000_red_circle_on_white", "013_red_square_on_black"):
+        for ext in (".png", ".txt"):
+            shutil.copy(REPO / "examples/flux-tiny/data" / (name + ext), data / (name + ext))
+    shutil.copy(REPO / "examples/flux-tiny/data/030_blue_triangle_on_white.png", data / "sub/uncaptioned.png")
+    return repo, data
+
+
+def init(repo, *args):
+    return CliRunner().invoke(main, ["init", *map(str, args), "--repo", str(repo)])
+
+
+def test_init_adds_dataset_to_params_and_dvc_yaml_and_scan_accepts_it(repo_and_data):
+    repo, data = repo_and_data
+    comment = "# One section per stage, plus `model`."
+    assert comment in (repo / "params.yaml").read_text()
+    result = init(repo, data, "--replace", "--resolution", "64", "--caption-policy", "skip")
+    assert result.exit_code == 0, result.output
+    assert "2 images" not in result.output and "3 images, 0 videos, 1 without a caption" in result.output
+    params, dvc = (repo / "params.yaml").read_text(), (repo / "dvc.yaml").read_text()
+    assert comment in params and "resolutions: [64]" in params and "examples/flux-tiny/data\n" not in params
+    assert f"- {data.resolve().as_posix()}" in dvc
+    run_checked([sys.executable, "-m", "stages.scan"], cwd=repo, env=run_env(repo / "store"))
+    rows = pq.read_table(repo / "data/manifest.parquet").to_pylist()
+    assert {r["path"] for r in rows} == {"000_red_circle_on_white.png", "013_red_square_on_black.png",
+                                          "sub/uncaptioned.png"}
+    assert [r["status"] for r in rows if r["path"] == "sub/uncaptioned.png"] == ["excluded"]
+
+
+def test_init_sets_a_local_model_as_a_dep_of_every_stage_that_reads_it(repo_and_data, tiny_flux_dir):
+    repo, data = repo_and_data
+    result = init(repo, data, "--model", tiny_flux_dir, "--family", "flux")
+    assert result.exit_code == 0, result.output
+    dvc = (repo / "dvc.yaml").read_text()
+    assert dvc.count(f"- {tiny_flux_dir.resolve().as_posix()}\n") >= 3  # encode, train, export
+    assert f"path: {tiny_flux_dir.resolve().as_posix()}" in (repo / "params.yaml").read_text()
+    # appended beside the example's dataset, not in place of it
+    assert "examples/flux-tiny/data" in (repo / "params.yaml").read_text()
+
+
+@pytest.mark.parametrize("args,match", [
+    (("{missing}",), "not a directory"),
+    (("{data}", "--family", "nope", "--model", "some/model"), "unknown family 'nope'"),
+    (("{data}", "--resolution", "-8"), "resolutions must be positive"),
+    (("{empty}",), "no images or videos found"),
+])
+def test_init_refuses_bad_input_and_writes_nothing(repo_and_data, tmp_path, args, match):
+    repo, data = repo_and_data
+    (tmp_path / "empty").mkdir()
+    before = {f: (repo / f).read_bytes() for f in ("params.yaml", "dvc.yaml")}
+    paths = {"missing": tmp_path / "missing", "data": data, "empty": tmp_path / "empty"}
+    result = init(repo, *(a.format(**paths) for a in args))
+    assert result.exit_code != 0 and match in result.output, result.output
+    assert {f: (repo / f).read_bytes() for f in before} == before
+
+
+def test_init_twice_is_refused(repo_and_data):
+    repo, data = repo_and_data
+    assert init(repo, data).exit_code == 0
+    result = init(repo, data)
+    assert result.exit_code != 0 and "already listed" in result.output
