@@ -54,7 +54,7 @@ class Remote:
         from dvc.fs import get_cloud_fs  # imported on use: DVC's import is heavy
 
         # What we print and record (errors, reports, lineage, the remote-index folder's name): never a password.
-        self.url = url
+        self.url = redact(url)
         try:
             cls, fs_config, self.path = get_cloud_fs({}, url=url, **config)
         except Exception as exc:  # DVC raises its own config and missing-plugin errors
