@@ -36,7 +36,7 @@ def test_init_adds_dataset_to_params_and_dvc_yaml_and_scan_accepts_it(repo_and_d
     assert comment in (repo / "params.yaml").read_text()
     result = init(repo, data, "--replace", "--resolution", "64", "--caption-policy", "skip")
     assert result.exit_code == 0, result.output
-    assert "2 images" not in result.output and "3 images, 0 videos, 1 without a caption" in result.output
+    assert "3 images, 0 videos, 1 without a caption" in result.output
     params, dvc = (repo / "params.yaml").read_text(), (repo / "dvc.yaml").read_text()
     assert comment in params and "resolutions: [64]" in params and "examples/flux-tiny/data\n" not in params
     assert f"- {data.resolve().as_posix()}" in dvc
