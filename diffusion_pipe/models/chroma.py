@@ -165,6 +165,20 @@ class ChromaAdapter(FluxAdapter):
             torch.zeros(b, t5.shape[1], 3),
         )
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        from diffusers import ChromaPipeline
+
+        return ChromaPipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """`guidance` is Chroma's classifier-free guidance scale (it has no distilled guidance), over the negative
+        prompt's embeddings; each embedding comes with its attention mask, as ChromaPipeline requires."""
+        return {"prompt_embeds": text["t5"][None].to(self.dtype),
+                "prompt_attention_mask": text["t5_mask"][None].to(self.dtype),
+                "negative_prompt_embeds": negative["t5"][None].to(self.dtype),
+                "negative_prompt_attention_mask": negative["t5_mask"][None].to(self.dtype), "guidance_scale": guidance}
+
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
         from diffusers import AutoencoderKL, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

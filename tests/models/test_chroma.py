@@ -102,3 +102,15 @@ def test_no_guidance_input_and_images_only(tiny):
     assert len(inputs) == 6 and inputs[3].shape == (1, 8 + 2 * 3)
     with pytest.raises(ValueError, match="family 'chroma' trains on images only"):
         tiny.encode_media(None, torch.zeros(1, 3, 5, 32, 32))
+
+
+def test_samples_render_from_stored_embeddings(tiny):
+    """The sample side: ChromaPipeline over the denoiser and VAE alone, fed stored text entries with their masks
+    (real CFG over the negative prompt)."""
+    cpu = torch.device("cpu")
+    text, negative = tiny.encode_text(tiny.load_text_encoders(cpu), ["a red circle", ""], 16)
+    pipe = tiny.sample_pipeline(tiny.load_denoiser(cpu), tiny.load_vae(cpu))
+    assert type(pipe).__name__ == "ChromaPipeline" and pipe.text_encoder is None
+    image = pipe(height=32, width=32, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **tiny.sample_inputs(text, negative, 4.0, 1.0)).images
+    assert image.shape == (1, 32, 32, 3) and bool(torch.isfinite(torch.from_numpy(image)).all())
