@@ -211,6 +211,19 @@ class LTXAdapter(Adapter):
         p, pt = c["patch_size"], c["patch_size_t"]
         return _pipeline_cls()._unpack_latents(prediction, f // pt, h // p, w // p, p, pt)
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        return _pipeline_cls()
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """`guidance` is LTX's classifier-free guidance scale, over the negative prompt's embeddings; the masks
+        travel with the embeddings as LTXPipeline takes them."""
+        return {"prompt_embeds": text["t5"][None].to(self.dtype),
+                "prompt_attention_mask": text["t5_mask"][None].to(self.dtype),
+                "negative_prompt_embeds": negative["t5"][None].to(self.dtype),
+                "negative_prompt_attention_mask": negative["t5_mask"][None].to(self.dtype),
+                "guidance_scale": guidance}
+
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":

@@ -74,6 +74,15 @@ class TestLTXContract(AdapterContract):
         got, want = lora_deltas(pipe.transformer), expected_deltas(lora)
         assert set(got) == set(want) and all(torch.allclose(got[n], want[n], atol=1e-6) for n in want)
 
+    def test_sample_inputs_drive_the_pipeline(self, adapter, model_dir):
+        """Stored text entries (embeddings and masks) render a video through LTXPipeline, with CFG."""
+        encoders = adapter.load_text_encoders(torch.device("cpu"))
+        text, negative = adapter.encode_text(encoders, ["a red square moving right", ""], 16)
+        pipe = adapter.pipeline_class().from_pretrained(model_dir)
+        out = pipe(**adapter.sample_inputs(text, negative, 3.0, 1.0), height=32, width=32, num_frames=9,
+                   num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
+        assert out.frames.shape == (1, 9, 32, 32, 3)
+
     def test_latents_are_normalised_with_the_vae_statistics(self, adapter):
         latents = torch.zeros(1, 8, 2, 4, 4)
         normalised = adapter.normalise_latents(latents)
