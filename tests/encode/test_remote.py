@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.store import StoreError
+from diffusion_pipe.store import Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
 from tests.conftest import free_port, make_pipeline_repo
 from tests.encode.helpers import dvc, encode_counts, git, reproduce, run_stage
@@ -59,6 +59,47 @@ def test_second_machine_fetches_everything_through_the_dvc_remote(server: str, r
     for fam in ("latent", "text"):
         assert (second[fam]["computed"], second[fam]["fetched_remote"], second[fam]["uploaded_packs"]) == (0, 36, 0)
     assert (repo / "data/encoded-b.parquet").read_bytes() == (repo / "data/encoded.parquet").read_bytes()
+
+
+def _stage_in_process(name: str, store: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
+    """Run stage `name`'s command in this process (the cwd is the repo), with `store` as the local store: no
+    interpreter start-up, so the remote round trip below stays cheap enough for the default suite."""
+    import importlib
+
+    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(store))
+    importlib.import_module(f"stages.{name}").command.main(list(args), standalone_mode=False)
+
+
+def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sharing claim with a plain directory as the remote (the SFTP, S3 and two-clone versions above are
+    slow): encode uploads every pack it computed, and encode on another machine's empty store computes nothing."""
+    remote, store_a, store_b = tmp_path / "remote", tmp_path / "store-a", tmp_path / "store-b"
+    repo = make_pipeline_repo(tmp_path / "repo", store_a, {"workers: 0": f"workers: 0\n  remote: {remote}"},
+                              dvc=False)
+    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[12:]:  # six images: a cheap encode
+        item.unlink()
+    monkeypatch.chdir(repo)
+    _stage_in_process("scan", store_a, monkeypatch)
+    _stage_in_process("encode", store_a, monkeypatch)
+    first = _report(repo)
+    assert first["remote"] == str(remote)
+    for fam in ("latent", "text"):
+        assert first[fam]["entries"] >= 6 and (first[fam]["computed"], first[fam]["fetched_remote"]) == (
+            first[fam]["entries"], 0)
+        local = sorted(p.name for p in (store_a / fam).glob("*.safetensors"))
+        uploaded = sorted(p.name for p in (remote / fam).glob("*.safetensors"))
+        assert first[fam]["uploaded_packs"] == len(local) >= 1 and uploaded == local
+        assert sorted(p.name for p in (remote / fam).glob("*.json")) == [n[:-12] + ".json" for n in local]
+
+    _stage_in_process("encode", store_b, monkeypatch, "--report", "reports/encode-b.json", "--encoded",
+                      "data/encoded-b.parquet")
+    second = _report(repo, "reports/encode-b.json")
+    for fam in ("latent", "text"):
+        assert (second[fam]["computed"], second[fam]["fetched_remote"], second[fam]["uploaded_packs"]) == (
+            0, first[fam]["entries"], 0)
+    assert (repo / "data/encoded-b.parquet").read_bytes() == (repo / "data/encoded.parquet").read_bytes()
+    assert Store(store_b).verify() == []
 
 
 def test_unreachable_remote_is_an_error_naming_the_param(tmp_path: Path) -> None:
