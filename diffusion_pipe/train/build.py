@@ -100,8 +100,11 @@ def init_lora_deterministic(model: nn.Module, seed: int) -> None:
 
 
 def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
-                      alpha: float, dropout: float, seed: int) -> LocalModel:
-    """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype)."""
+                      alpha: float, dropout: float, seed: int, base_dtype: str = "") -> LocalModel:
+    """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype).
+    `base_dtype` "float8" / "float8_matmul" (model.base_dtype) stores the frozen Linear weights of the
+    stage's blocks in fp8 (train/fp8.py); the first and last pipeline layers, under 1% of the weights and
+    the model's input and output projections, keep the adapter's dtype."""
     from accelerate import init_empty_weights
 
     cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
@@ -120,5 +123,10 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
     # Loading replaced parameter objects and peft replaced target modules: layers built before would hold
     # stale references, so the layers are built again from the final model.
     layers = adapter.pipeline_layers(denoiser)
+    if base_dtype:
+        from diffusion_pipe.train.fp8 import quantise_frozen_linears
+
+        quantise_frozen_linears(layers[max(start, 1):min(stop, len(layers) - 1)],
+                                matmul=base_dtype == "float8_matmul")
     denoiser.eval()
     return LocalModel(denoiser, layers, start, stop, lora_targets)

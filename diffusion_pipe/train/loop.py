@@ -136,7 +136,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     stage = pipeline_stage(dist.rank, train.pipeline_stages, dp_world)
     local = build_local_model(adapter, train.pipeline_stages, stage,
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
-                              alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed)
+                              alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
+                              base_dtype=model.base_dtype)
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
