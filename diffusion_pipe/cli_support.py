@@ -11,9 +11,9 @@ from pathlib import Path
 import click
 
 # Paths that params point at and a stage reads, per stage: (param name, function of Params -> paths). Encode reads
-# the media too, but through the manifest's content hashes, so a changed file already re-runs it.
+# the media too, but through the manifest's content hashes, so a changed file already re-runs it. Scan's dataset
+# directories are deliberately not deps (dvc.yaml says why): scan runs on every repro and notices changes itself.
 _PARAM_PATHS: dict[str, tuple[str, Callable]] = {
-    "scan": ("scan.datasets[].path", lambda p: [d.path for d in p.scan.datasets]),
     "encode": ("model.path", lambda p: [p.model.path]),
     "train": ("model.path", lambda p: [p.model.path]),
     "export": ("model.path", lambda p: [p.model.path]),
@@ -41,8 +41,9 @@ def stage_command(name: str) -> Callable:
 
             try:
                 params = load_params(params_path)
-                param, paths = _PARAM_PATHS[name]
-                require_deps(params_path.parent / "dvc.yaml", name, paths(params), param)
+                if name in _PARAM_PATHS:
+                    param, paths = _PARAM_PATHS[name]
+                    require_deps(params_path.parent / "dvc.yaml", name, paths(params), param)
                 fn(params, **kwargs)
             except user_errors() as exc:
                 click.echo(f"error: {exc}", err=True)

@@ -29,11 +29,12 @@ def test_bad_params_is_one_clear_error(tmp_path):
     assert "error: train.lerning_rate: unknown key; did you mean 'learning_rate'?" in result.output
 
 
-def test_dataset_missing_from_dvc_deps_is_named(tmp_path):
+def test_local_model_missing_from_dvc_deps_is_named(tmp_path):
     (tmp_path / "photos").mkdir()
-    (tmp_path / "dvc.yaml").write_text("stages:\n  scan:\n    cmd: x\n    deps: [stages/scan]\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "dvc.yaml").write_text("stages:\n  encode:\n    cmd: x\n    deps: [stages/encode]\n")
     params = tmp_path / "params.yaml"
-    params.write_text(f"model: {{path: m}}\nscan:\n  datasets: [{{path: {tmp_path / 'photos'}}}]\n")
-    result = CliRunner().invoke(main, ["scan", "--params", str(params)])
+    params.write_text(f"model: {{path: model}}\nscan:\n  datasets: [{{path: {tmp_path / 'photos'}}}]\n")
+    result = CliRunner().invoke(main, ["encode", "--params", str(params)])
     assert result.exit_code == 2
-    assert "is not a dependency of stage 'scan'" in result.output and "stages.scan.deps" in result.output
+    assert "is not a dependency of stage 'encode'" in result.output and "stages.encode.deps" in result.output

@@ -45,7 +45,9 @@ def test_first_repro_runs_every_stage_and_learns(pipeline):
 
 def test_second_repro_runs_nothing(pipeline):
     repo, store, _ = pipeline
-    assert reproduce(repo, store) == []
+    manifest = (repo / "data/manifest.parquet").read_bytes()
+    assert reproduce(repo, store) == ["scan"]  # scan always runs (dvc.yaml says why): same bytes, nothing after it
+    assert (repo / "data/manifest.parquet").read_bytes() == manifest
 
 
 def test_metrics_are_what_runs_are_compared_by(pipeline):
@@ -63,7 +65,7 @@ def test_learning_rate_edit_reruns_only_train_and_export(pipeline):
     repo, store, _ = pipeline
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e-3"))
-    assert reproduce(repo, store) == ["train", "export"]
+    assert reproduce(repo, store) == ["scan", "train", "export"]
 
 
 def test_exported_lora_loads_in_diffusers_and_changes_output(pipeline):
