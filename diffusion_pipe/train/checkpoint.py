@@ -192,18 +192,17 @@ class Checkpoints:
         """Restore this rank's LoRA weights, optimizer, scheduler, engine counters and RNG states from the
         (verified) checkpoint in `path`; return the loop's state. A checkpoint of another pipeline layout loads
         too (--force): parameters are found by name in whichever stage file holds them."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        wanted = {f"{kind}/{name}" for name in self.names for kind in ("master", *_OPTIMIZER_STATE)}
-        tensors: dict[str, torch.Tensor] = {}
-        for stage in range(manifest["stages"]):
-            with safe_open(path / f"stage{stage}.safetensors", framework="pt") as fh:
-                tensors |= {key: fh.get_tensor(key) for key in fh.keys() if key in wanted}
+        try:
+            tensors, meta, rng, state = self._read(path)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            # the files match their manifest, so they were written as they are: by something other than us
+            raise CheckpointError(f"{path}: not a checkpoint this version of diffusion-pipe can read ({exc}); "
+                                  "resume from another one, or delete it to start over") from exc
         if missing := [name for name in self.names if f"master/{name}" not in tensors]:
             raise CheckpointError(f"{path} holds no weights for {len(missing)} of this run's LoRA parameters (e.g. "
                                   f"{missing[0]}): it is a checkpoint of another model or LoRA setup")
-        meta = json.loads((path / f"stage{min(self.stage, manifest['stages'] - 1)}.json").read_text("utf-8"))
         groups = [dict(group, betas=tuple(group["betas"]), params=list(range(len(self.names))))
                   for group in meta["param_groups"]]
         self.optimizer.load_state_dict({
@@ -214,15 +213,30 @@ class Checkpoints:
         self.scheduler.load_state_dict(meta["scheduler"])
         for key, value in meta["engine"].items():
             setattr(self.engine, key, value)
-        with safe_open(path / "rng.safetensors", framework="pt") as fh:
-            ranks = len({key.split("/")[0] for key in fh.keys()})
-            mine = f"rank{self.dist.rank % ranks}"  # another world size (--force): rank r takes r % theirs
-            torch.set_rng_state(fh.get_tensor(f"{mine}/cpu"))
-            if self.dist.device.type == "cuda" and f"{mine}/cuda" in fh.keys():
-                torch.cuda.set_rng_state(fh.get_tensor(f"{mine}/cuda"), self.dist.device)
+        ranks = len({key.split("/")[0] for key in rng})
+        mine = f"rank{self.dist.rank % ranks}"  # another world size (--force): rank r takes r % theirs
+        torch.set_rng_state(rng[f"{mine}/cpu"])
+        if self.dist.device.type == "cuda" and f"{mine}/cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"{mine}/cuda"], self.dist.device)
         if path.parent == self.directory:  # another run's checkpoint (--resume-from) is not one of this run's
-            self.last_step = manifest["step"]
-        return json.loads((path / "state.json").read_text(encoding="utf-8"))
+            self.last_step = state["step"]
+        return state
+
+    def _read(self, path: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor], dict]:
+        """Everything this rank loads from `path`, read and parsed before anything is restored: its tensors by
+        key, its stage's JSON, the RNG states, the loop's state."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        stages = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["stages"]
+        wanted = {f"{kind}/{name}" for name in self.names for kind in ("master", *_OPTIMIZER_STATE)}
+        tensors: dict[str, torch.Tensor] = {}
+        for stage in range(stages):
+            with safe_open(path / f"stage{stage}.safetensors", framework="pt") as fh:
+                tensors |= {key: fh.get_tensor(key) for key in fh.keys() if key in wanted}
+        meta = json.loads((path / f"stage{min(self.stage, stages - 1)}.json").read_text(encoding="utf-8"))
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        return tensors, meta, load_file(path / "rng.safetensors"), state
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This stage's tensors (masters, AdamW state by parameter name) and the rest, JSON-ready."""

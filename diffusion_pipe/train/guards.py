@@ -30,5 +30,5 @@ def diverged(step: int, loss: float, grad_norm: float | None, train: TrainParams
             else "no checkpoint was written before it")
     return TrainingDiverged(
         f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped without writing a "
-        f"LoRA ({kept}). Lower train.learning_rate (now {train.learning_rate:g}) or set train.max_grad_norm "
-        f"(now {train.max_grad_norm:g}) to clip gradients, then run the stage again")
+        f"LoRA ({kept}). Lower train.learning_rate (now {train.learning_rate:g}), or clip gradients harder with a "
+        f"lower train.max_grad_norm (now {train.max_grad_norm:g}; 0 is no clipping), then run the stage again")

@@ -1,0 +1,195 @@
+"""Checkpoints are safetensors + JSON with a manifest of hashes: loading runs no pickle, a damaged checkpoint is
+reported and the newest intact one used (and the run still ends exactly as one never stopped), and a diverging
+run stops at its first non-finite step without writing a LoRA."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
+from tests.conftest import make_pipeline_repo, run_checked, run_env
+
+STEPS = 12
+PARAMS = {"steps: 120": f"steps: {STEPS}",
+          "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3\n  lora_dropout: 0.1"}
+
+
+@pytest.fixture(scope="module")
+def encoded_repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoint")
+    store = root / "store"
+    repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
+    for stage in ("scan", "encode"):
+        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    return repo, store
+
+
+@pytest.fixture(scope="module")
+def whole(encoded_repo, tmp_path_factory):
+    """A run never stopped, with checkpoints at steps 3, 6, 9 and 12; tests copy it, never modify it."""
+    repo, store = encoded_repo
+    runs = tmp_path_factory.mktemp("whole")
+    run_checked(train_cmd(runs), cwd=repo, env=run_env(store))
+    return runs
+
+
+def train_cmd(runs: Path, *more: str) -> list[str]:
+    return [sys.executable, "-m", "stages.train", "--runs", str(runs), "--out", str(runs / "out"),
+            "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv"), *more]
+
+
+def run_dir(runs: Path) -> Path:
+    (path,) = (runs / "checkpoints").iterdir()
+    return path
+
+
+def copy_run(whole: Path, dest: Path) -> Path:
+    """A copy of the whole run's checkpoints (not its outputs): the run dir of the copy."""
+    shutil.copytree(whole / "checkpoints", dest / "checkpoints")
+    return run_dir(dest)
+
+
+def flip_optimizer_byte(path: Path) -> None:
+    """Flip one bit in the middle of an Adam moment (`exp_avg/...`) of a stage file: still a valid file."""
+    data = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_len])
+    begin, end = header[next(k for k in sorted(header) if k.startswith("exp_avg/"))]["data_offsets"]
+    data[8 + header_len + (begin + end) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+class Payload:
+    """A pickle that creates a directory when unpickled: what a planted checkpoint could do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def plant_pickles(step_dir: Path, marker: Path) -> None:
+    """The files DeepSpeed's load_checkpoint unpickles (torch.load, weights_only=False), as malicious pickles."""
+    for name in ("mp_rank_00_model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt"):
+        torch.save({"module": Payload(marker)}, step_dir / name)
+
+
+DAMAGE = {
+    "flipped optimizer byte": (lambda d: flip_optimizer_byte(d / "stage0.safetensors"),
+                               "stage0.safetensors does not match its hash"),
+    "truncated file": (lambda d: (d / "stage0.safetensors").write_bytes((d / "stage0.safetensors").read_bytes()[:99]),
+                       "stage0.safetensors does not match its hash"),
+    "missing weights file": (lambda d: (d / "stage0.safetensors").unlink(), "stage0.safetensors is missing"),
+    "damaged manifest": (lambda d: (d / "manifest.json").write_text('{"format": 1'), "manifest.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damage_is_named_and_the_newest_intact_checkpoint_chosen(whole, tmp_path, kind):
+    directory = copy_run(whole, tmp_path)
+    damage, message = DAMAGE[kind]
+    assert check_step_dir(directory / "step12", 12) is None
+    damage(directory / "step12")
+    assert message in check_step_dir(directory / "step12", 12)
+    (directory / "latest").write_text("")  # `latest` is for people; an empty one changes nothing
+    found = find_newest_intact(directory)
+    assert (found.step, found.path) == (9, directory / "step9")
+    assert len(found.damaged) == 1 and found.damaged[0].startswith(f"step12: {message}")
+
+
+def test_no_intact_checkpoint_is_an_error_naming_each(whole, tmp_path, capsys):
+    directory = copy_run(whole, tmp_path)
+    for step in (3, 6, 9, 12):
+        (directory / f"step{step}" / "state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint to resume from \(step12: state.json does not "
+                                              r"match.*step3: state.json.*Delete the damaged step directories"):
+        choose_checkpoint(directory, announce=True)
+    # a save cut short before its manifest (no other checkpoint) is passed over: the run starts again
+    (directory.parent / "fresh" / "step3").mkdir(parents=True)
+    assert choose_checkpoint(directory.parent / "fresh", announce=True).step is None
+    assert "has no manifest.json and is not used" in capsys.readouterr().err
+
+
+def test_damaged_checkpoints_fall_back_and_the_run_ends_as_if_never_stopped(encoded_repo, whole, tmp_path):
+    """The three newest checkpoints damaged (a flipped bit in an Adam moment, a truncated file, a missing
+    weights file), `latest` emptied and DeepSpeed-named malicious pickles planted in every step directory: the
+    run resumes from step 3, says why, runs none of the pickles, and ends with the same losses and a
+    byte-identical LoRA."""
+    repo, store = encoded_repo
+    runs = tmp_path / "runs"
+    directory = copy_run(whole, runs)
+    marker = tmp_path / "pwned"
+    for step in (3, 6, 9, 12):
+        plant_pickles(directory / f"step{step}", marker)
+    DAMAGE["flipped optimizer byte"][0](directory / "step12")
+    DAMAGE["truncated file"][0](directory / "step9")
+    DAMAGE["missing weights file"][0](directory / "step6")
+    (directory / "latest").write_text("")
+    out = run_checked(train_cmd(runs), cwd=repo, env=run_env(store))
+    assert not marker.exists(), "a planted pickle ran"
+    for step, problem in ((12, "does not match its hash"), (9, "does not match its hash"), (6, "is missing")):
+        assert f"{directory / f'step{step}'} is damaged and not used: stage0.safetensors {problem}" in out.stderr
+    assert "resuming from step3, the newest intact checkpoint" in out.stderr
+    assert json.loads((runs / "report.json").read_text())["resumed_from"] == 3
+    assert (runs / "loss.csv").read_text() == (whole / "loss.csv").read_text()
+    assert (runs / "out/lora.safetensors").read_bytes() == (whole / "out/lora.safetensors").read_bytes()
+    assert find_newest_intact(directory).step == 12  # the damaged steps were written again
+
+
+def test_a_planted_checkpoint_runs_no_pickle(encoded_repo, whole, tmp_path):
+    """--resume-from a directory of pickles under every name DeepSpeed and we read, even with a manifest whose
+    hashes match them: a clear error, and the pickles never run."""
+    repo, store = encoded_repo
+    marker = tmp_path / "pwned"
+    planted = tmp_path / "downloaded"
+    step_dir = planted / "step3"
+    step_dir.mkdir(parents=True)
+    shutil.copy(run_dir(whole) / "identity.json", planted / "identity.json")  # the same run: nothing refused
+    (planted / "latest").write_text("step3")
+    plant_pickles(step_dir, marker)
+    files = {}
+    for name in ("stage0.safetensors", "stage0.json", "rng.safetensors", "state.json"):
+        torch.save(Payload(marker), step_dir / name)
+        files[name] = hash_file(step_dir / name)
+    (step_dir / "manifest.json").write_text(json.dumps({"format": 1, "step": 3, "stages": 1, "world": 1,
+                                                        "files": files}))
+    runs = tmp_path / "runs"
+    cmd = train_cmd(runs, "--resume-from", str(planted))
+    refused = subprocess.run(cmd, cwd=repo, env=run_env(store), capture_output=True, text=True)
+    assert not marker.exists(), "a planted pickle ran"
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"{step_dir}: not a checkpoint this version of diffusion-pipe can read" in refused.stderr
+    assert not (runs / "out/lora.safetensors").exists()
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_step(encoded_repo, tmp_path):
+    """Learning rate 1e6: the loss turns NaN within a few steps. The run stops there with a message naming the
+    step, the loss and the params to change, writes no LoRA, and keeps its last finite checkpoint."""
+    repo, store = encoded_repo
+    params = (repo / "params.yaml").read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e+6")
+    (tmp_path / "diverge.yaml").write_text(params.replace("checkpoint_every_steps: 3", "checkpoint_every_steps: 1"))
+    runs = tmp_path / "runs"
+    stopped = subprocess.run(train_cmd(runs, "--params", str(tmp_path / "diverge.yaml")), cwd=repo,
+                             env=run_env(store), capture_output=True, text=True)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert "training diverged at step " in stopped.stderr and "loss nan" in stopped.stderr
+    assert "train.learning_rate (now 1e+06)" in stopped.stderr and "train.max_grad_norm" in stopped.stderr
+    step = int(stopped.stderr.split("training diverged at step ")[1].split(":")[0])
+    assert 1 < step < STEPS
+    assert not (runs / "out/lora.safetensors").exists() and not (runs / "report.json").exists()
+    found = find_newest_intact(run_dir(runs))
+    assert found.step == step - 1 and not found.damaged
+    kept = json.loads((found.path / "state.json").read_text())
+    assert len(kept["losses"]) == step - 1 and all(map(torch.isfinite, torch.tensor(kept["losses"])))
+    assert f"the last checkpoint, step {step - 1} in {run_dir(runs)}, is kept" in stopped.stderr
