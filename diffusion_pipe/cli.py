@@ -11,6 +11,7 @@ from diffusion_pipe.models.cli import models_command
 from diffusion_pipe.store.cli import store_group
 from stages.encode import command as encode_command
 from stages.export import command as export_command
+from stages.sample import command as sample_command
 from stages.scan import command as scan_command
 from stages.train import command as train_command
 
@@ -27,6 +28,7 @@ main.add_command(scan_command)
 main.add_command(encode_command)
 main.add_command(train_command)
 main.add_command(export_command)
+main.add_command(sample_command)
 main.add_command(models_command)
 main.add_command(store_group)
 main.add_command(lineage_cli)

@@ -17,6 +17,7 @@ _PARAM_PATHS: dict[str, tuple[str, Callable]] = {
     "encode": ("model.path", lambda p: [p.model.path]),
     "train": ("model.path", lambda p: [p.model.path]),
     "export": ("model.path", lambda p: [p.model.path]),
+    "sample": ("model.path", lambda p: [p.model.path]),
 }
 
 

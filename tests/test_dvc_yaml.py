@@ -10,7 +10,7 @@ import pytest
 from ruamel.yaml import YAML
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("scan", "encode", "train", "export")
+STAGES = ("scan", "encode", "train", "export", "sample")
 
 # Import the stage and everything its run imports lazily, then list the repo files loaded.
 PROBE = """
@@ -22,6 +22,7 @@ lazy = {
     "encode": ["diffusion_pipe.encode.encode", "diffusion_pipe.store"],
     "train": ["diffusion_pipe.train.loop", "diffusion_pipe.store", "diffusion_pipe.lineage.record"],
     "export": ["diffusion_pipe.export.lora", "diffusion_pipe.export.merge", "diffusion_pipe.lineage.record"],
+    "sample": ["diffusion_pipe.sample.stage"],
 }[stage]
 for name in lazy:
     importlib.import_module(name)

@@ -32,17 +32,29 @@ def check_prompt_size(adapter: Adapter, prompt: SamplePrompt) -> None:
 
 
 @torch.no_grad()
-def render_prompt(pipe: object, adapter: Adapter, prompt: SamplePrompt, text: TensorDict, negative: TensorDict,
-                  device: torch.device) -> np.ndarray:
-    """Pixels (frames, height, width, 3) uint8 of one resolved prompt; `text`/`negative` its stored entries."""
-    kwargs = adapter.sample_inputs(text, negative, prompt.guidance, prompt.cfg_scale)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    if "video" in adapter.capabilities.media:
-        kwargs["num_frames"] = prompt.frames
-    out = pipe(height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps, output_type="np",
-               generator=torch.Generator("cpu").manual_seed(prompt.seed), **kwargs)
-    pixels = np.asarray(out.frames[0] if hasattr(out, "frames") else out.images[:1])  # (F, H, W, 3) in [0, 1]
-    return (np.clip(pixels, 0.0, 1.0) * 255).round().astype(np.uint8)
+def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, ...], texts: dict[str, TensorDict],
+                   device: torch.device) -> list[np.ndarray]:
+    """Pixels (frames, height, width, 3) uint8 of each resolved prompt, in order; `texts` holds the stored text
+    entry of every prompt and negative prompt. Prompts that share size, frames, steps and guidance render as
+    one batch (one pass of the pipeline), each from the noise of its own seed."""
+    out: list[np.ndarray | None] = [None] * len(prompts)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale), []).append(i)
+    for (width, height, frames, steps, guidance, cfg_scale), members in groups.items():
+        calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts[prompts[i].negative_prompt], guidance,
+                                       cfg_scale) for i in members]
+        kwargs = {k: torch.cat([c[k] for c in calls]).to(device) if isinstance(v, torch.Tensor) else v
+                  for k, v in calls[0].items()}
+        if "video" in adapter.capabilities.media:
+            kwargs["num_frames"] = frames
+        result = pipe(height=height, width=width, num_inference_steps=steps, output_type="np",
+                      generator=[torch.Generator("cpu").manual_seed(prompts[i].seed) for i in members], **kwargs)
+        # (B, F, H, W, 3) for video pipelines, (B, H, W, 3) for image ones; values in [0, 1]
+        pixels = np.asarray(result.frames) if hasattr(result, "frames") else np.asarray(result.images)[:, None]
+        for i, item in zip(members, pixels):
+            out[i] = (np.clip(item, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return out
 
 
 def grid(rows: list[list[np.ndarray]], gap: int = 2) -> np.ndarray:

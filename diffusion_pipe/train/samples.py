@@ -33,7 +33,7 @@ from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.params import ModelParams, SampleParams
 from diffusion_pipe.encode.encode import caption_text_keys
-from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, poster, render_prompt, write_media
+from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, poster, render_prompts, write_media
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.pipeline import Dist
 from diffusion_pipe.train.swap import SwappedLayer
@@ -80,9 +80,10 @@ class TrainingSamples:
             keys = caption_text_keys(adapter, model, text_max_length, samples.texts())
             missing = sorted(text for text, key in keys.items() if not store.contains("text", key))
             if missing:
-                raise ConfigError(f"train.samples.prompts: {missing[0]!r} (and {len(missing) - 1} more) have no "
-                                  f"text entry in the store at {store.root}; run the encode stage (dvc repro "
-                                  "encode), which embeds the sample prompts like captions")
+                shown = ", ".join(repr(t) for t in missing[:3]) + (", ..." if len(missing) > 3 else "")
+                raise ConfigError(f"train.samples.prompts: {len(missing)} prompt texts ({shown}; '' is the empty "
+                                  f"negative prompt) have no text entry in the store at {store.root}; run the encode "
+                                  "stage (dvc repro encode), which embeds the sample prompts like captions")
             texts = {text: store.get("text", key) for text, key in keys.items()}
         owners = remote_owners(adapter, denoiser, num_stages, dp_world) if num_stages > 1 else {}
         return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,
@@ -97,8 +98,10 @@ class TrainingSamples:
                 self._render(step)
             elif self.serving:
                 _serve(self.denoiser, self.module, self.dist.device)
-        if final and self.dist.rank == 0 and self.publish_dir is not None and self.prompts:
-            self._publish()
+        if final and self.dist.rank == 0 and self.publish_dir is not None:
+            self.publish_dir.mkdir(parents=True, exist_ok=True)  # the stage's output, also without prompts
+            if self.prompts:
+                self._publish()
 
     def _render(self, step: int) -> None:
         started = time.perf_counter()
@@ -112,8 +115,7 @@ class TrainingSamples:
                     _remote_modules(self.denoiser, self.owners, device):
                 self.vae.to(device)
                 pipe = self.adapter.sample_pipeline(self.denoiser, self.vae)
-                rendered = [render_prompt(pipe, self.adapter, p, self.texts[p.prompt], self.texts[p.negative_prompt],
-                                          device) for p in self.prompts]
+                rendered = render_prompts(pipe, self.adapter, self.prompts, self.texts, device)
         finally:
             self.vae.to("cpu")
             self.module.train(was_training)

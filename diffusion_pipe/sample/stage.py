@@ -1,0 +1,68 @@
+"""The `sample` stage: the exported LoRA loaded the way its users load it (the family's diffusers pipeline,
+`load_lora_weights`), the sample prompts rendered without and with it, side by side: the look a user takes
+before publishing a LoRA, and a check that the exported file really loads and changes the output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
+from diffusion_pipe.models import load_adapter
+from diffusion_pipe.models.common import resolve_device
+from diffusion_pipe.params import Params
+from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, poster, render_prompts, write_media
+
+
+def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Path, video_dir: Path,
+                device_name: str = "auto") -> dict:
+    """Render `train.samples.prompts` with the base model, then with the diffusers-format LoRA at `lora_path`
+    loaded by `load_lora_weights`; write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per
+    prompt: without | with) to `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel
+    difference to `report_path`. Returns the report."""
+    prompts = params.train.samples.resolved()
+    if not prompts:
+        raise ConfigError("train.samples.prompts is empty: list the prompts to render (see the README, Samples)")
+    if not lora_path.is_file():
+        raise FileNotFoundError(f"{lora_path}: no exported LoRA there; run the export stage with 'diffusers' in "
+                                "export.formats (dvc repro export)")
+    adapter = load_adapter(params.model)
+    if adapter.expert:
+        raise ConfigError(f"model.expert: the sample stage renders with the whole model; '{adapter.expert}' is "
+                          "one expert of it. Leave model.expert empty to sample")
+    for prompt in prompts:
+        check_prompt_size(adapter, prompt)
+    device = resolve_device(device_name, "--device")
+
+    encoders = adapter.load_text_encoders(device)
+    texts_list = params.train.samples.texts()
+    texts = dict(zip(texts_list, adapter.encode_text(encoders, list(texts_list), params.encode.text_max_length)))
+    del encoders  # the pipeline gets its prompts as embeddings: its text encoders are never loaded
+
+    encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
+    pipe = adapter.pipeline_class().from_pretrained(
+        adapter.model_dir, torch_dtype=adapter.dtype, **{name: None for name in (*encoder_dirs, *tokenizer_dirs)})
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    without = render_prompts(pipe, adapter, prompts, texts, device)
+    pipe.load_lora_weights(str(lora_path))
+    with_lora = render_prompts(pipe, adapter, prompts, texts, device)
+
+    report = {"lora": str(lora_path), "prompts": []}
+    for i, (prompt, a, b) in enumerate(zip(prompts, without, with_lora)):
+        for tag, pixels in (("without", a), ("with", b)):
+            write_bytes_atomic(out_dir / f"{i:02d}-{tag}.png", png_bytes(poster(pixels)))
+            if pixels.shape[0] > 1:
+                write_media(video_dir / f"{i:02d}-{tag}", pixels)
+        difference = float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean())
+        report["prompts"].append({"prompt": prompt.prompt, "seed": prompt.seed, "mean_abs_difference": difference})
+    write_bytes_atomic(out_dir / "comparison.png", png_bytes(grid([[poster(a), poster(b)]
+                                                                   for a, b in zip(without, with_lora)])))
+    write_json_atomic(report_path, report)
+    print(f"sample: {len(prompts)} prompts without and with {lora_path} -> {out_dir}/comparison.png; mean pixel "
+          f"difference {np.mean([p['mean_abs_difference'] for p in report['prompts']]):.2f}/255", file=sys.stderr)
+    return report

@@ -1,0 +1,3 @@
+from stages.sample import command
+
+command()

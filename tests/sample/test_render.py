@@ -1,0 +1,77 @@
+"""Rendering sample prompts: deterministic, seeded per prompt, sizes checked; the params that drive it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_pipe.config import ConfigError, from_dict
+from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.params import SampleParams, TrainParams
+from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, render_prompts
+from diffusion_pipe.train.samples import sample_steps
+from tests.sample.helpers import sample_params
+
+
+def test_sample_steps_are_zero_every_n_and_the_end():
+    assert sample_steps(sample_params(every_steps=4), 10) == [0, 4, 8, 10]
+    assert sample_steps(sample_params(every_steps=5), 10) == [0, 5, 10]
+    assert sample_steps(sample_params(every_steps=0), 10) == [0, 10]
+    assert sample_steps(sample_params(prompts=[]), 10) == []
+
+
+def test_prompt_defaults_and_texts():
+    samples = sample_params(prompts=[{"prompt": "a", "negative_prompt": "blurry", "width": 64, "guidance": 0.0},
+                                     {"prompt": "b", "seed": 7}])
+    a, b = samples.resolved()
+    assert (a.width, a.height, a.steps, a.guidance) == (64, 32, 3, 0.0)
+    assert (b.width, b.seed, b.guidance, b.cfg_scale) == (32, 7, 3.5, 1.0)
+    assert samples.texts() == ("", "a", "b", "blurry")  # the empty negative prompt is embedded too
+
+
+def test_samples_are_checked_like_every_param():
+    with pytest.raises(ConfigError, match=r"train\.samples\.prompts\[0\]\.promt: unknown key; did you mean 'prompt'"):
+        from_dict(TrainParams, {"samples": {"prompts": [{"promt": "a cat"}]}}, "train")
+    with pytest.raises(ConfigError, match="a sample prompt is empty"):
+        from_dict(SampleParams, {"prompts": [{"prompt": " "}]}, "train.samples")
+    with pytest.raises(ConfigError, match="every_steps must be >= 0"):
+        from_dict(SampleParams, {"every_steps": -1}, "train.samples")
+
+
+def test_a_size_the_model_cannot_render_is_an_error(tiny_flux_dir):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    prompt = sample_params(width=36).resolved()[0]
+    with pytest.raises(ConfigError, match=r"36x32; family 'flux' renders sides that are multiples of 8"):
+        check_prompt_size(adapter, prompt)
+    with pytest.raises(ConfigError, match="asks for 5 frames but family 'flux' renders images"):
+        check_prompt_size(adapter, sample_params(frames=5).resolved()[0])
+
+
+def test_rendering_is_deterministic_and_each_prompt_keeps_its_seed(tiny_flux_dir):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    cpu = torch.device("cpu")
+    pipe = adapter.sample_pipeline(adapter.load_denoiser(cpu), adapter.load_vae(cpu))
+    samples = sample_params()
+    encoders = adapter.load_text_encoders(cpu)
+    texts = dict(zip(samples.texts(), adapter.encode_text(encoders, list(samples.texts()), 32)))
+    prompts = samples.resolved()
+
+    first = render_prompts(pipe, adapter, prompts, texts, cpu)
+    again = render_prompts(pipe, adapter, prompts, texts, cpu)
+    assert first[0].shape == (1, 32, 32, 3) and first[0].dtype == np.uint8
+    assert all(png_bytes(a[0]) == png_bytes(b[0]) for a, b in zip(first, again))
+    # the first prompt alone starts from the same noise as in the batch: its seed, not its position, decides
+    alone = render_prompts(pipe, adapter, prompts[:1], texts, cpu)[0]
+    assert np.abs(alone.astype(int) - first[0].astype(int)).max() <= 1
+    reseeded = render_prompts(pipe, adapter, (prompts[0].__class__(**{**prompts[0].__dict__, "seed": 99}),),
+                              texts, cpu)[0]
+    assert np.abs(reseeded.astype(int) - first[0].astype(int)).mean() > 5
+
+
+def test_grid_lays_out_rows():
+    red, blue = np.zeros((4, 6, 3), np.uint8), np.full((4, 6, 3), 200, np.uint8)
+    out = grid([[red, blue], [blue]], gap=2)
+    assert out.shape == (10, 14, 3)
+    assert (out[:4, :6] == 0).all() and (out[:4, 8:] == 200).all() and (out[6:, :6] == 200).all()
+    assert (out[6:, 8:] == 255).all()  # a missing cell stays background

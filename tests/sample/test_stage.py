@@ -1,0 +1,72 @@
+"""The `sample` stage loads the exported LoRA with load_lora_weights and renders without and with it; with it,
+the pictures are those training rendered with the same LoRA in memory (same seeds, same pipeline)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from torch import nn
+
+from diffusion_pipe.config import ConfigError, from_dict
+from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.params import Params
+from diffusion_pipe.sample.stage import sample_lora
+from diffusion_pipe.store import Store
+from diffusion_pipe.train.lora import lora_state_dict
+from diffusion_pipe.train.pipeline import Dist
+from diffusion_pipe.train.samples import TrainingSamples
+from tests.sample.helpers import SAMPLES, lora_model, model_params, store_prompts, train_a_little
+
+
+def _params(model_dir, samples=SAMPLES) -> Params:
+    return from_dict(Params, {"model": {"family": "flux", "path": str(model_dir), "dtype": "float32"},
+                              "scan": {"datasets": [{"path": "data"}]}, "encode": {"text_max_length": 32},
+                              "train": {"samples": samples}}, "params")
+
+
+def _pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def test_sample_stage_renders_the_exported_lora_as_training_did(tiny_flux_dir, tmp_path):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    local = lora_model(adapter)
+    train_a_little(local.denoiser)
+    lora_file = tmp_path / "artifacts" / "lora.diffusers.safetensors"
+    lora_file.parent.mkdir()
+    save_file(adapter.export_lora(lora_state_dict(local.denoiser), "diffusers"), str(lora_file))
+
+    out = tmp_path / "reports" / "lora_samples"
+    report = sample_lora(_params(tiny_flux_dir), lora_file, out, tmp_path / "reports" / "sample.json",
+                         tmp_path / "videos", "cpu")
+
+    assert sorted(p.name for p in out.iterdir()) == ["00-with.png", "00-without.png", "01-with.png",
+                                                     "01-without.png", "comparison.png"]
+    assert json.loads((tmp_path / "reports" / "sample.json").read_text()) == report
+    assert all(p["mean_abs_difference"] > 2 for p in report["prompts"])  # the file loaded and changed the output
+    assert _pixels(out / "comparison.png").shape == (2 * 32 + 2, 2 * 32 + 2, 3)
+
+    # Training's renderer, on the LoRA still in memory: the same pictures as the exported file loaded by diffusers.
+    store = Store(tmp_path / "store")
+    store_prompts(adapter, tiny_flux_dir, _params(tiny_flux_dir).train.samples, store)
+    TrainingSamples.create(_params(tiny_flux_dir).train.samples, 4, model_params(tiny_flux_dir), 32, adapter, store,
+                           local.denoiser, nn.ModuleList(local.layers),
+                           Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu")), 1, 1, tmp_path / "run",
+                           None, writer=None).render(4, final=True)
+    for i in range(2):
+        assert np.abs(_pixels(tmp_path / "run" / "step000004" / f"{i:02d}.png")
+                      - _pixels(out / f"{i:02d}-with.png")).max() <= 1
+
+
+def test_sample_stage_errors_name_the_fix(tiny_flux_dir, tmp_path):
+    with pytest.raises(ConfigError, match="train.samples.prompts is empty"):
+        sample_lora(_params(tiny_flux_dir, SAMPLES | {"prompts": []}), tmp_path / "x", tmp_path, tmp_path / "r.json",
+                    tmp_path, "cpu")
+    with pytest.raises(FileNotFoundError, match=r"no exported LoRA there; run the export stage with 'diffusers'"):
+        sample_lora(_params(tiny_flux_dir), tmp_path / "missing.safetensors", tmp_path, tmp_path / "r.json",
+                    tmp_path, "cpu")

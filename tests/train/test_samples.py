@@ -1,0 +1,86 @@
+"""Samples during training: files at step 0 and at the end with the same seeds, the LoRA as it is at each step,
+block-swapped layers staying swapped out, the training RNG untouched, prompts missing from the store refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.store import Store
+from diffusion_pipe.train.pipeline import Dist
+from diffusion_pipe.train.samples import TrainingSamples
+from diffusion_pipe.train.swap import SwappedLayer, apply_block_swap
+from tests.sample.helpers import lora_model, model_params, sample_params, store_prompts, train_a_little
+
+CPU = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+
+
+def _samples(adapter, model_dir, store, local, layers, run_dir, publish_dir=None) -> TrainingSamples:
+    return TrainingSamples.create(sample_params(), 4, model_params(model_dir), 32, adapter, store, local.denoiser,
+                                  nn.ModuleList(layers), CPU, 1, 1, run_dir, publish_dir, writer=None)
+
+
+def _pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def test_samples_at_step_0_and_the_end_show_the_lora_learn(tiny_flux_dir, tmp_path):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    store = Store(tmp_path / "store")
+    store_prompts(adapter, tiny_flux_dir, sample_params(), store)
+    local = lora_model(adapter)
+    run_dir, publish = tmp_path / "run", tmp_path / "reports" / "samples"
+    samples = _samples(adapter, tiny_flux_dir, store, local, local.layers, run_dir, publish)
+
+    rng = torch.get_rng_state()
+    samples.render(0)
+    samples.render(1)  # not a sample step (every 2)
+    samples.render(2)
+    train_a_little(local.denoiser)
+    samples.render(4, final=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # a run with samples draws the same random numbers
+
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step000000", "step000000.png", "step000002",
+                                                         "step000002.png", "step000004", "step000004.png"]
+    assert sorted(p.name for p in publish.iterdir()) == ["progress.png", "step000000.png", "step000002.png",
+                                                         "step000004.png"]
+    start, middle, end = (_pixels(run_dir / f"step00000{s}" / "00.png") for s in (0, 2, 4))
+    assert start.shape == (32, 32, 3)
+    assert np.array_equal(start, middle)  # same seed, LoRA unchanged (B = 0): the very same image
+    assert np.abs(end - start).mean() > 2  # the LoRA changed: same noise, a different picture
+    assert _pixels(publish / "progress.png").shape == (2 * 32 + 2, 3 * 32 + 4, 3)  # a row per prompt, a column per step
+    assert samples.seconds > 0
+
+
+def test_block_swapped_layers_render_the_same_and_stay_swapped(tiny_flux_dir, tmp_path):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    store = Store(tmp_path / "store")
+    store_prompts(adapter, tiny_flux_dir, sample_params(), store)
+    local = lora_model(adapter)
+    train_a_little(local.denoiser)
+    _samples(adapter, tiny_flux_dir, store, local, local.layers, tmp_path / "plain").render(0)
+
+    swapped = apply_block_swap(local.layers, (0, len(local.layers)), 3, torch.device("cpu"))
+    assert sum(isinstance(layer, SwappedLayer) for layer in swapped) == 3
+    _samples(adapter, tiny_flux_dir, store, local, swapped, tmp_path / "swapped").render(0)
+
+    for i in range(2):
+        assert np.array_equal(_pixels(tmp_path / "plain" / "step000000" / f"{i:02d}.png"),
+                              _pixels(tmp_path / "swapped" / "step000000" / f"{i:02d}.png"))
+    frozen = [p for layer in swapped if isinstance(layer, SwappedLayer) for p in layer.parameters()
+              if not p.requires_grad]
+    assert frozen and all(p.numel() == 0 for p in frozen)  # the weights went back to CPU after the render
+
+
+def test_prompts_missing_from_the_store_are_refused_before_training(tiny_flux_dir, tmp_path):
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    local = lora_model(adapter)
+    with pytest.raises(ConfigError, match=r"3 prompt texts \('', 'a blue square on a black background', 'a red "
+                                          r"circle on a white background'; .*no text entry in the store.*dvc repro "
+                                          r"encode"):
+        _samples(adapter, tiny_flux_dir, Store(tmp_path / "empty"), local, local.layers, tmp_path / "run")
