@@ -82,21 +82,27 @@ def store_keys_record(store_keys: dict[str, list[str]]) -> dict:
 
 
 def model_dir(params: Params, repo: Path) -> Path:
-    """The base model's directory: `model.path` relative to the repository, else a hub id's local snapshot."""
-    from diffusion_pipe.models.common import resolve_model_dir
+    """The base model's directory as the stages read it: `model.path` relative to the repository, else a hub
+    id's local snapshot; a model view of it when `model.transformer`, `model.vae` or `model.text_encoders`
+    name single files (diffusion_pipe.models.checkpoints)."""
+    from diffusion_pipe.models.checkpoints import resolve_model
 
-    local = repo / params.model.path
-    return local.resolve() if local.is_dir() else resolve_model_dir(params.model.path)
+    return resolve_model(params.model, root=repo)
 
 
 def base_weights(directory: Path) -> dict[str, str]:
     """Component name -> weights hash (diffusion_pipe.weights.component_hash) of every diffusers component with
     weights (transformer, vae, text encoders; not tokenizers or the scheduler)."""
-    from diffusion_pipe.weights import WEIGHT_SUFFIXES, component_hash
+    from diffusion_pipe.weights import component_hash, has_weights
 
-    return {p.name: component_hash(p) for p in sorted(directory.iterdir())
-            if p.is_dir() and (p / "config.json").is_file() and any(
-                f.name.endswith(WEIGHT_SUFFIXES) for f in p.iterdir())}
+    return {p.name: component_hash(p) for p in sorted(directory.iterdir()) if p.is_dir() and has_weights(p)}
+
+
+def base_revision(params: Params, repo: Path) -> str | None:
+    """The hub commit of a base model given as a hub id (its Hugging Face cache snapshot), else None."""
+    from diffusion_pipe.models.checkpoints import hub_revision
+
+    return hub_revision(model_dir(params, repo))
 
 
 def repo_relative(repo: Path, path: Path) -> str:
@@ -137,7 +143,7 @@ def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_key
         "inputs": {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
                    "store_keys": store_keys_record(store_keys)},
         "base_model": {"family": params.model.family, "path": params.model.path, "dtype": params.model.dtype,
-                       "weights": base_weights(model_dir(params, repo))},
+                       "weights": base_weights(model_dir(params, repo)), "revision": base_revision(params, repo)},
         "dvc_lock": redact_obj(dvc_lock_entries(repo)),
         "git": git_state(repo),
         "environment": environment(),

@@ -36,13 +36,16 @@ def _check_file(repo: Path, what: str, recorded: dict | None, fix: str) -> Check
 
 
 def _check_base_model(record: dict, repo: Path) -> list[Check]:
-    from diffusion_pipe.models.common import resolve_model_dir
+    from diffusion_pipe.models.checkpoints import resolve_model
+    from diffusion_pipe.params import ModelParams
 
     base = record["base_model"]
-    local = repo / base["path"]
+    # The model params as recorded (single files included), so the same components are hashed again.
+    recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in record["params"]["model"].items()
+                if k in ModelParams.__dataclass_fields__}
     try:
-        directory = local.resolve() if local.is_dir() else resolve_model_dir(base["path"])
-    except FileNotFoundError as exc:
+        directory = resolve_model(ModelParams(**{**recorded, "path": base["path"]}), root=repo)
+    except (FileNotFoundError, ValueError) as exc:
         return [Check(f"base model {base['path']}", False, str(exc))]
     try:
         actual = base_weights(directory)

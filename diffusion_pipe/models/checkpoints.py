@@ -44,6 +44,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _WEIGHT_SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 _IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 _IGNORED_KEYS = ("scaled_fp8",)
+VIEW_RECORD = "view.json"  # in a model view: the skeleton it was composed over
 
 
 def read_single_file_marker(directory: Path) -> Path | None:
@@ -254,6 +255,7 @@ def compose_view(skeleton: Path, files: dict[str, Path], root: Path | None = Non
     tmp = root / f".tmp-{view.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    (tmp / VIEW_RECORD).write_text(json.dumps({"skeleton": str(skeleton)}))
     for entry in sorted(skeleton.iterdir()):
         if entry.name in files:
             (tmp / entry.name).mkdir()
@@ -269,8 +271,11 @@ def compose_view(skeleton: Path, files: dict[str, Path], root: Path | None = Non
 
 
 def hub_revision(model_dir: Path) -> str | None:
-    """The commit of a Hugging Face cache snapshot (`.../snapshots/<commit>`), None for any other folder."""
+    """The commit of a Hugging Face cache snapshot (`.../snapshots/<commit>`), or of the snapshot a model view
+    was composed over; None for any other folder."""
     model_dir = Path(model_dir)
+    if (model_dir / VIEW_RECORD).is_file():
+        model_dir = Path(json.loads((model_dir / VIEW_RECORD).read_text())["skeleton"])
     return model_dir.name if model_dir.parent.name == "snapshots" else None
 
 

@@ -248,3 +248,26 @@ def test_hub_id_from_cache_offline(flux_files, tmp_path, monkeypatch):
     view = resolve_model(ModelParams(family="flux", path="org/tiny-flux", transformer=str(files["bf16"])))
     assert json.loads((view / "transformer" / "single_file.json").read_text())["file"] == str(files["bf16"])
     assert (view / "vae").resolve() == (snapshot / "vae").resolve()
+    assert hub_revision(view) == commit
+
+
+def test_lineage_names_single_files_by_content(flux_files, tmp_path):
+    """The lineage's base weights hash the single files; verify re-resolves the recorded params and catches a
+    transformer file changed since."""
+    from diffusion_pipe.lineage.record import base_weights
+    from diffusion_pipe.lineage.verify import _check_base_model
+    from diffusion_pipe.config import to_dict
+
+    model_dir, files, _ = flux_files
+    mine = tmp_path / "flux1.safetensors"
+    mine.write_bytes(files["bf16"].read_bytes())
+    model = params(model_dir, transformer=str(mine))
+    weights = base_weights(resolve_model(model))
+    assert set(weights) == {"transformer", "vae", "text_encoder", "text_encoder_2"}
+    assert weights["transformer"] == component_hash(load_adapter(model).denoiser_dir())
+    record = {"base_model": {"family": "flux", "path": str(model_dir), "weights": weights},
+              "params": {"model": to_dict(model)}}
+    assert all(check.ok for check in _check_base_model(record, tmp_path))
+    mine.write_bytes(files["fp8"].read_bytes())
+    failed = [c for c in _check_base_model(record, tmp_path) if not c.ok]
+    assert [c.item for c in failed] == ["base model component 'transformer'"]
