@@ -12,9 +12,22 @@ from typing import IO, Any
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    try:  # Linux says it without changing it (setting it, even briefly, races with other threads creating files)
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere, reading the umask means setting it; restored at once
     os.umask(mask)
     return mask
+
+
+def published_mode() -> int:
+    """The mode of a file we publish: what `open()` would give it under the process's umask (0644 under 022,
+    0664 under a group-sharing 002), not the 0600 of a temp file from `mkstemp`."""
+    return 0o666 & ~_umask()
 
 
 def fsync_dir(path: Path) -> None:
@@ -36,7 +49,7 @@ def atomic_writer(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a published file gets the usual mode
+        os.fchmod(fd, published_mode())  # mkstemp makes 0600; a published file gets the usual mode
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
             fh.flush()

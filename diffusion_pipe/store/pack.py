@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
+from diffusion_pipe.fileio import fsync_dir, published_mode, write_bytes_atomic
 from diffusion_pipe.hashing import canonical_json, hash_file
 from diffusion_pipe.errors import UserError
 
@@ -309,6 +309,7 @@ class PackWriter:
             # equal content should give equal bytes (hence the same pack id) across writers.
             save_file(tensors, tmp, metadata={"diffusion_pipe": canonical_json({"family": self.family, "format": 1})})
             with open(tmp, "rb+") as fh:
+                os.fchmod(fh.fileno(), published_mode())  # mkstemp's 0600 would lock out a group sharing the store
                 os.fsync(fh.fileno())
             pack_id = hash_file(tmp)
             size = tmp.stat().st_size

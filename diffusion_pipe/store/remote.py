@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diffusion_pipe.fileio import fsync_dir, write_bytes_atomic
+from diffusion_pipe.fileio import fsync_dir, published_mode, write_bytes_atomic
 from diffusion_pipe.hashing import hash_bytes
 from diffusion_pipe.redact import redact
 from diffusion_pipe.store.pack import (
@@ -181,6 +181,7 @@ def pull(store: Store, remote: Remote, family: str, keys: list[str]) -> int:
                 )
                 continue
             with open(tmp, "rb+") as fh:
+                os.fchmod(fh.fileno(), published_mode())  # as a pack written here: the umask's mode, not 0600
                 os.fsync(fh.fileno())
             os.replace(tmp, directory / (pack_id + PACK_SUFFIX))
             fsync_dir(directory)
