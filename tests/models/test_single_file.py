@@ -271,3 +271,51 @@ def test_lineage_names_single_files_by_content(flux_files, tmp_path):
     mine.write_bytes(files["fp8"].read_bytes())
     failed = [c for c in _check_base_model(record, tmp_path) if not c.ok]
     assert [c.item for c in failed] == ["base model component 'transformer'"]
+
+
+WAN_RENAMES = [  # diffusers -> Wan's original names, the inverse of diffusers' convert_wan_transformer_to_diffusers
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
+    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".add_k_proj.", ".k_img."),
+    (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."), ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"), ("norm2", "norm__swap"), ("norm3", "norm2"), ("norm__swap", "norm3"),
+]
+
+
+def wan_original_name(name: str) -> str:
+    """A diffusers Wan transformer tensor's name in Wan's original checkpoints (as ComfyUI ships them)."""
+    import re
+
+    if name == "scale_shift_table":
+        return "head.modulation"
+    if name.startswith("proj_out."):
+        return "head.head." + name.removeprefix("proj_out.")
+    name = re.sub(r"^(blocks\.\d+\.)scale_shift_table$", r"\1modulation", name)
+    for old, new in WAN_RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_scaled"])
+def test_wan_original_layout_transformer(tmp_path, kind):
+    """A Wan transformer in its original names, under ComfyUI's `model.diffusion_model.` prefix, in bf16 or
+    scaled fp8, loads through diffusers' converter: exactly, or to the values the fp8 file holds."""
+    from diffusion_pipe.models.wan import WanAdapter
+
+    WanAdapter.build_tiny(tmp_path / "model", seed=0)
+    state = {k: v.bfloat16() for k, v in WanAdapter(tmp_path / "model", torch.float32)
+             .load_denoiser(torch.device("cpu")).state_dict().items()}
+    original = {f"model.diffusion_model.{wan_original_name(k)}": v.contiguous() for k, v in state.items()}
+    if kind == "fp8_scaled":
+        original = to_fp8(original, scaled=True)
+    save_file(original, tmp_path / "wan.safetensors")
+    adapter = load_adapter(ModelParams(family="wan", path=str(tmp_path / "model"),
+                                       transformer=str(tmp_path / "wan.safetensors")))
+    loaded = adapter.load_denoiser(torch.device("cpu")).state_dict()
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        want = tensor if kind == "bf16" else dequantised(original, f"model.diffusion_model.{wan_original_name(name)}")
+        assert torch.equal(loaded[name], want.bfloat16()), name
