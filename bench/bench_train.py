@@ -3,6 +3,7 @@ diffusers + peft loop on the same model and shapes, measured in the same run.
 
     python bench/bench_train.py --shape dev --steps 20            # H200: Flux-dev-shaped, 1024x1024, LoRA r32
     python bench/bench_train.py --shape tiny --steps 6 --device cpu   # smoke test anywhere
+    python bench/bench_train.py --shape dev --base-dtype float8 --variants eager,cap24 --no-plain  # fp8 base
 
 The model is random-init (no weights can be downloaded), written in diffusers format and loaded back through
 the same `from_pretrained`/safetensors path a real checkpoint takes. Model FLOPs per step are counted by
@@ -89,9 +90,10 @@ VARIANTS = {
 }
 
 
-def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, variant: dict) -> None:
+def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, variant: dict,
+                 base_dtype: str = "") -> None:
     path.write_text(f"""
-model: {{family: flux, path: {model_dir}, dtype: bfloat16}}
+model: {{family: flux, path: {model_dir}, dtype: bfloat16, base_dtype: "{base_dtype}"}}
 scan: {{datasets: [{{path: .}}]}}
 encode: {{text_max_length: {shape['text_len']}}}
 train:
@@ -232,6 +234,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-plain", action="store_true", help="run ours only")
+    parser.add_argument("--base-dtype", choices=["", "float8", "float8_matmul"], default="",
+                        help="model.base_dtype of our runs: the blocks' frozen weights in fp8, computed by "
+                             "dequantising (float8) or in fp8 matmuls (float8_matmul); the plain loop stays bf16")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write torch.profiler tables, Chrome traces and their GPU-idle breakdown "
                              "(bench/trace_gaps.py) of both runners into this directory")
@@ -248,11 +253,11 @@ def main() -> None:
     print(f"model and data written in {time.perf_counter() - started:.0f} s to {work}", flush=True)
     results: dict = {"shape": args.shape, "steps": args.steps, "device": args.device,
                      "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                     "torch": torch.__version__, "peak_flops": matmul_peak(args.device)}
+                     "torch": torch.__version__, "peak_flops": matmul_peak(args.device), "base_dtype": args.base_dtype}
     for variant in args.variants.split(","):
         spec = VARIANTS[variant]
         params = work / f"params-{variant}.yaml"
-        write_params(params, model_dir, shape, args.steps, args.device, spec)
+        write_params(params, model_dir, shape, args.steps, args.device, spec, args.base_dtype)
         prof = (lambda name: args.profile / f"{variant}-{name}.txt") if args.profile else (lambda name: None)
         results[variant] = {"params": {k: v for k, v in spec.items() if k != "plain"}}
         if spec["plain"] and not args.no_plain:

@@ -41,7 +41,8 @@ def flux_to_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for i in doubles:
         d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         for src, dst in [("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
-                         ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"), ("ff_context.net.0.proj", "txt_mlp.0"),
+                         ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"),
+                         ("ff_context.net.0.proj", "txt_mlp.0"),
                          ("ff_context.net.2", "txt_mlp.2"), ("attn.to_out.0", "img_attn.proj"),
                          ("attn.to_add_out", "txt_attn.proj")]:
             take(d + src, b + dst)
