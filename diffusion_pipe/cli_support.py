@@ -13,12 +13,21 @@ import click
 # Paths that params point at and a stage reads, per stage: (param name, function of Params -> paths). Encode reads
 # the media too, but through the manifest's content hashes, so a changed file already re-runs it. Scan's dataset
 # directories are deliberately not deps (dvc.yaml says why): scan runs on every repro and notices changes itself.
-_PARAM_PATHS: dict[str, tuple[str, Callable]] = {
-    "encode": ("model.path", lambda p: [p.model.path]),
-    "train": ("model.path", lambda p: [p.model.path]),
-    "export": ("model.path", lambda p: [p.model.path]),
-    "sample": ("model.path", lambda p: [p.model.path]),
+# Single files (model.transformer, .vae, .text_encoders) count as the stages that read them: encode the VAE and
+# text encoders, train the transformer, export and sample every component.
+_ENCODERS = [("model.vae", lambda p: [p.model.vae]), ("model.text_encoders", lambda p: list(p.model.text_encoders))]
+_TRANSFORMER = [("model.transformer", lambda p: [p.model.transformer])]
+_PARAM_PATHS: dict[str, list[tuple[str, Callable]]] = {
+    "encode": [("model.path", lambda p: [p.model.path]), *_ENCODERS],
+    "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER],
+    "export": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
+    "sample": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
 }
+
+
+def stage_param_paths(stage: str, params) -> list[tuple[str, list[str]]]:
+    """(param name, the paths it sets) for every path param that stage `stage` reads; unset params left out."""
+    return [(param, [x for x in paths(params) if x]) for param, paths in _PARAM_PATHS.get(stage, [])]
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -42,9 +51,8 @@ def stage_command(name: str) -> Callable:
 
             try:
                 params = load_params(params_path)
-                if name in _PARAM_PATHS:
-                    param, paths = _PARAM_PATHS[name]
-                    require_deps(params_path.parent / "dvc.yaml", name, paths(params), param)
+                for param, paths in stage_param_paths(name, params):
+                    require_deps(params_path.parent / "dvc.yaml", name, paths, param)
                 fn(params, **kwargs)
             except user_errors() as exc:
                 click.echo(f"error: {exc}", err=True)

@@ -91,14 +91,36 @@ def test_shipped_example_params_load(path):
 def test_each_bundled_example_runs_by_copying_its_params(example):
     """Switching examples is a params-only change: every path an example's params point at is a dep of the
     stages that read it in the repository's dvc.yaml."""
-    from diffusion_pipe.cli_support import _PARAM_PATHS
+    from diffusion_pipe.cli_support import _PARAM_PATHS, stage_param_paths
     from diffusion_pipe.dvcfile import require_deps
 
     root = Path(__file__).parents[1]
     params = load_params(root / "examples" / example / "params.yaml") if example != "flux-tiny" else \
         load_params(root / "params.yaml")
-    for stage, (param, paths) in _PARAM_PATHS.items():
-        require_deps(root / "dvc.yaml", stage, paths(params), param)
+    for stage in _PARAM_PATHS:
+        for param, paths in stage_param_paths(stage, params):
+            require_deps(root / "dvc.yaml", stage, paths, param)
+
+
+def test_single_files_must_be_deps_of_the_stages_reading_them(tmp_path):
+    """A local single file (model.vae here) is a dep of encode, which reads it, named by its param."""
+    import dataclasses
+
+    from diffusion_pipe.cli_support import stage_param_paths
+    from diffusion_pipe.dvcfile import require_deps
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "ae.safetensors").write_bytes(b"")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  encode:\n    cmd: x\n    deps: [model]\n"
+                                       "  train:\n    cmd: x\n    deps: [model]\n")
+    params = load_params(Path(__file__).parents[1] / "params.yaml")
+    params = dataclasses.replace(params, model=dataclasses.replace(params.model, path="model",
+                                                                   vae=str(tmp_path / "ae.safetensors")))
+    for param, paths in stage_param_paths("train", params):  # train does not read the VAE
+        require_deps(tmp_path / "dvc.yaml", "train", paths, param)
+    with pytest.raises(ConfigError, match=r"model.vae: .*ae.safetensors is not a dependency of stage 'encode'"):
+        for param, paths in stage_param_paths("encode", params):
+            require_deps(tmp_path / "dvc.yaml", "encode", paths, param)
 
 
 def test_dataset_manifest_name_is_one_rule_for_scan_and_encode(tmp_path, monkeypatch):
