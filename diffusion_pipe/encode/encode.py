@@ -75,7 +75,8 @@ def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
     encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
     tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
-    return {c: text_key(caption=c, template="", encoder_hashes=encoder_hashes, tokenizer_hashes=tokenizer_hashes,
+    template = adapter.text_template()
+    return {c: text_key(caption=c, template=template, encoder_hashes=encoder_hashes, tokenizer_hashes=tokenizer_hashes,
                         max_length=max_length, dtype=model.dtype) for c in captions}
 
 
@@ -86,12 +87,13 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
     encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
     tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
+    template = adapter.text_template()
     multiple = adapter.pixel_multiple
     samples = []
     for row in manifest.to_pylist():
         if row["status"] != "ok":
             continue
-        tkey = text_key(caption=row["caption"], template="", encoder_hashes=encoder_hashes,
+        tkey = text_key(caption=row["caption"], template=template, encoder_hashes=encoder_hashes,
                         tokenizer_hashes=tokenizer_hashes, max_length=encode.text_max_length, dtype=model.dtype)
         for bucket in row["buckets"]:
             width, height, frames = parse_bucket(bucket)

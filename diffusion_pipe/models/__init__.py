@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
+    "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
 }

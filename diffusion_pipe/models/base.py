@@ -82,6 +82,11 @@ class Adapter(ABC):
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         """(text encoder dirs, tokenizer dirs) by component name; their hashes key the text entries."""
 
+    def text_template(self) -> str:
+        """The template or system prompt the family's pipeline wraps each caption in before encoding, as a
+        string: it changes the embedding, so it is part of the text key. '' when captions are encoded bare."""
+        return ""
+
     def load_vae(self, device: torch.device) -> nn.Module:
         """The frozen VAE, in eval mode, on `device`."""
         from diffusion_pipe.models.common import load_component

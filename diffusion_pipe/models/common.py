@@ -114,3 +114,38 @@ def save_tiny_tokenizers(out_dir: Path) -> tuple[object, object]:
     t5 = T5TokenizerFast(vocab=[tuple(v) for v in vocab_scores], extra_ids=0, model_max_length=512)
     t5.save_pretrained(out_dir / "tokenizer_2")
     return clip, t5
+
+
+QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: str | None = None) -> object:
+    """A byte-level BPE trained on a few sentences and on `template` (the prompt template a pipeline wraps
+    captions in, so its words become single tokens as in Qwen's real vocabulary, and a pipeline that drops the
+    template by token count drops exactly it), wrapped in `Qwen2Tokenizer` with the chat special tokens and
+    `chat_template`, saved to `out_dir`. Returns the tokenizer."""
+    import tempfile
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    text = template
+    for special in QWEN_SPECIAL_TOKENS:
+        text = text.replace(special, "\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([*TOKENIZER_CORPUS, text], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", *QWEN_SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    ))
+    with tempfile.TemporaryDirectory() as tmp:
+        bpe.model.save(tmp)
+        merges = [tuple(line.split()) for line in Path(tmp, "merges.txt").read_text().splitlines()
+                  if line and not line.startswith("#")]
+    tokenizer = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS],
+                         special_tokens=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer

@@ -1,0 +1,297 @@
+"""Qwen-Image (MMDiT with 3-axis complex rotary embeddings, flow matching; Qwen2.5-VL text encoder under a system
+prompt, the Qwen-Image VAE), through diffusers components.
+
+Text goes through QwenImagePipeline's own `encode_prompt` (its template, the template tokens dropped, the last
+hidden states of the caption's tokens) and latents are packed into 2x2 patches like Flux's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
+from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.flux import pack_latents, unpack_latents
+
+
+@dataclass
+class QwenImageTextEncoder:
+    """QwenImagePipeline over its text encoder and tokenizer only: its own `encode_prompt` makes the embeddings."""
+
+    pipeline: object
+
+
+def _text_pipeline(text_encoder: nn.Module | None = None, tokenizer: object | None = None) -> object:
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline(scheduler=None, vae=None, transformer=None, text_encoder=text_encoder,
+                             tokenizer=tokenizer)
+
+
+class QwenImageEmbed(nn.Module):
+    """First layer: embeds latent tokens, text and timestep, computes the rotary tables. The complex rotary
+    tables travel as real views (a stage boundary sends real tensors) and the text mask as integers.
+    Returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs)."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.img_in = transformer.img_in
+        self.txt_norm = transformer.txt_norm
+        self.txt_in = transformer.txt_in
+        self.time_text_embed = transformer.time_text_embed
+        self.pos_embed = transformer.pos_embed
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, timesteps, text, text_mask, grid = inputs
+        hidden = self.img_in(hidden)
+        temb = self.time_text_embed(timesteps.to(hidden.dtype), hidden)
+        encoder = self.txt_in(self.txt_norm(text))
+        # the latent grid is the same for every item of a micro-batch (one bucket): take the first row
+        frames, height, width = grid[0].tolist()
+        image_freqs, text_freqs = self.pos_embed([[(frames, height, width)]], max_txt_seq_len=text.shape[1],
+                                                 device=hidden.device)
+        return (hidden, encoder, text_mask, temb, torch.view_as_real(image_freqs).contiguous(),
+                torch.view_as_real(text_freqs).contiguous())
+
+
+class QwenImageBlock(nn.Module):
+    """One double-stream block; takes and returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, encoder, text_mask, temb, image_freqs, text_freqs = inputs
+        encoder, hidden = self.block(
+            hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=text_mask.bool(),
+            temb=temb, image_rotary_emb=(torch.view_as_complex(image_freqs), torch.view_as_complex(text_freqs)))
+        return hidden, encoder, text_mask, temb, image_freqs, text_freqs
+
+
+class QwenImageOut(nn.Module):
+    """Last layer: final adaptive norm and projection back to packed latent tokens."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.norm_out = transformer.norm_out
+        self.proj_out = transformer.proj_out
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        hidden, _encoder, _mask, temb, _image_freqs, _text_freqs = inputs
+        return self.proj_out(self.norm_out(hidden, temb))
+
+
+class QwenImageAdapter(Adapter):
+    """Qwen-Image (text-to-image) in diffusers format (transformer, vae, text_encoder, tokenizer, scheduler)."""
+
+    name: ClassVar[str] = "qwenimage"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
+    )
+
+    def _config(self, component: str) -> dict:
+        return json.loads((self.model_dir / component / "config.json").read_text())
+
+    # ---- encode side -------------------------------------------------------------------------------
+    @property
+    def vae_scale(self) -> int:
+        """As QwenImagePipeline computes it: one halving per temporal-downsample level."""
+        return 2 ** len(self._config("vae")["temperal_downsample"])
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.vae_scale * self._config("transformer")["patch_size"]
+
+    def vae_class(self) -> type[nn.Module]:
+        from diffusers import AutoencoderKLQwenImage
+
+        return AutoencoderKLQwenImage
+
+    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
+        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
+
+    def text_template(self) -> str:
+        """QwenImagePipeline's system-prompt template and how many of its tokens it drops, read from diffusers."""
+        pipe = _text_pipeline()
+        return json.dumps({"template": pipe.prompt_template_encode,
+                           "drop_tokens": pipe.prompt_template_encode_start_idx})
+
+    def load_text_encoders(self, device: torch.device) -> QwenImageTextEncoder:
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        encoder = load_component(Qwen2_5_VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype,
+                                 device)
+        return QwenImageTextEncoder(_text_pipeline(encoder, AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+
+    @torch.no_grad()
+    def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
+        if pixels_BCFHW.shape[2] != 1:
+            raise ValueError(f"family 'qwenimage' trains on images only; got {pixels_BCFHW.shape[2]} frames")
+        # The distribution's mode, unnormalised (normalisation happens at load time); the VAE's frame axis of
+        # one is dropped, so the latents pack like an image's.
+        latents = vae.encode(pixels_BCFHW.to(vae.device, vae.dtype)).latent_dist.mode()[:, :, 0]
+        return [{"latents": x.contiguous().cpu()} for x in latents]
+
+    @torch.no_grad()
+    def encode_text(self, encoders: QwenImageTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+        """QwenImagePipeline.encode_prompt, then zero-padded to `max_length` with the mask saying which tokens are
+        the caption's (the pipeline pads to the longest caption of its batch; padding is masked out of
+        attention and does not move the caption tokens' rotary positions, so its length changes nothing)."""
+        pipe = encoders.pipeline
+        states, mask = pipe.encode_prompt(captions, device=pipe.text_encoder.device, max_sequence_length=max_length)
+        length = states.shape[1]
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(len(captions), length, dtype=torch.long)
+        padded = states.new_zeros(len(captions), max_length, states.shape[2])
+        padded[:, :length] = states
+        padded_mask = torch.zeros(len(captions), max_length, dtype=torch.long)
+        padded_mask[:, :length] = mask.cpu()
+        return [{"prompt_embeds": padded[i].contiguous().cpu(), "prompt_mask": padded_mask[i].contiguous()}
+                for i in range(len(captions))]
+
+    def latent_spec(self, width: int, height: int, frames: int) -> Spec:
+        s = self.vae_scale
+        return {"latents": ((self._config("vae")["z_dim"], height // s, width // s), dtype_name(self.dtype))}
+
+    def text_spec(self, max_length: int) -> Spec:
+        return {"prompt_embeds": ((max_length, self._config("transformer")["joint_attention_dim"]),
+                                  dtype_name(self.dtype)),
+                "prompt_mask": ((max_length,), "int64")}
+
+    # ---- train side --------------------------------------------------------------------------------
+    def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Per-channel (x - mean) / std, the inverse of what QwenImagePipeline applies before decoding."""
+        config = self._config("vae")
+        mean = torch.tensor(config["latents_mean"], dtype=latents.dtype).view(-1, 1, 1)
+        std = torch.tensor(config["latents_std"], dtype=latents.dtype).view(-1, 1, 1)
+        return (latents - mean) / std
+
+    def denoiser_class(self) -> type[nn.Module]:
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel
+
+    def denoiser_dir(self) -> Path:
+        return self.model_dir / "transformer"
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        return ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+    def lora_exclude(self) -> str:
+        """The last block's text-stream outputs: the model's output reads only the image stream after it, so a
+        LoRA there would never train."""
+        last = self._config("transformer")["num_layers"] - 1
+        return rf"^transformer_blocks\.{last}\.(attn\.to_add_out|txt_mlp\..+)$"
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:
+        config = denoiser.config
+        if config.zero_cond_t or config.use_additional_t_cond or config.use_layer3d_rope:
+            raise ValueError(f"{self.denoiser_dir()}: this is a Qwen-Image edit or layered transformer "
+                             "(zero_cond_t / use_additional_t_cond / use_layer3d_rope); family 'qwenimage' trains "
+                             "the text-to-image model only")
+        return [QwenImageEmbed(denoiser), *(QwenImageBlock(b) for b in denoiser.transformer_blocks),
+                QwenImageOut(denoiser)]
+
+    def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
+                     guidance: float) -> tuple[torch.Tensor, ...]:
+        """As QwenImagePipeline calls the transformer; Qwen-Image has no guidance embedding."""
+        b, _, h, w = noisy_latents.shape
+        grid = torch.tensor([[1, h // 2, w // 2]] * b)
+        return (pack_latents(noisy_latents).to(self.dtype), timesteps.to(self.dtype),
+                text["prompt_embeds"].to(self.dtype), text["prompt_mask"].long(), grid)
+
+    def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return unpack_latents(prediction, like.shape[-2], like.shape[-1])
+
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """Qwen-Image's classifier-free guidance is QwenImagePipeline's `true_cfg_scale` (its `guidance_scale`
+        feeds guidance-distilled variants only): `cfg_scale` above 1 runs it over the negative prompt."""
+        kwargs = {"prompt_embeds": text["prompt_embeds"][None].to(self.dtype),
+                  "prompt_embeds_mask": text["prompt_mask"][None], "true_cfg_scale": cfg_scale}
+        if cfg_scale > 1:
+            kwargs |= {"negative_prompt_embeds": negative["prompt_embeds"][None].to(self.dtype),
+                       "negative_prompt_embeds_mask": negative["prompt_mask"][None]}
+        return kwargs
+
+    # ---- export side -------------------------------------------------------------------------------
+    def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
+        if fmt == "diffusers":
+            return {f"transformer.{k}": v for k, v in lora.items()}
+        if fmt == "comfyui":
+            return comfyui_lora(lora)
+        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'qwenimage' "
+                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+
+    @classmethod
+    def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
+        """Qwen-Image's layout at toy width: a 2-block transformer, a 4-level VAE (x8), a 2-layer Qwen2.5-VL with a
+        one-block vision tower, and a tokenizer in which the pipeline's template is 34 tokens, as in the real one."""
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        out_dir = Path(out_dir)
+        pipe = _text_pipeline()
+        tokenizer = save_tiny_qwen_tokenizer(out_dir / "tokenizer", template=pipe.prompt_template_encode)
+        torch.manual_seed(seed)
+        vocab = len(tokenizer)
+        Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config={"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
+                         "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                             "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                           "out_hidden_size": 32, "fullatt_block_indexes": [0]},
+            # image and video tokens outside the tiny vocabulary: captions never contain them
+            image_token_id=vocab, video_token_id=vocab + 1, vision_start_token_id=vocab + 2,
+            vision_end_token_id=vocab + 3,
+        )).save_pretrained(out_dir / "text_encoder")
+        AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+        ).save_pretrained(out_dir / "vae")
+        QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        ).save_pretrained(out_dir / "transformer")
+        FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(out_dir / "scheduler")
+        (out_dir / "model_index.json").write_text(MODEL_INDEX)
+
+
+MODEL_INDEX = """{
+  "_class_name": "QwenImagePipeline",
+  "_diffusers_version": "0.42.1",
+  "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+  "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+  "tokenizer": ["transformers", "Qwen2Tokenizer"],
+  "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+  "vae": ["diffusers", "AutoencoderKLQwenImage"]
+}
+"""
+
+
+def comfyui_lora(lora: TensorDict) -> TensorDict:
+    """The LoRA under ComfyUI's Qwen-Image names, which are diffusers' own (comfy/ldm/qwen_image/model.py keeps
+    them), `diffusion_model.`-prefixed, as `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled, so
+    scale 1): the generic `diffusion_model.<module>` keys of ComfyUI's comfy/lora.py `model_lora_keys_unet`."""
+    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+
+    out: TensorDict = {}
+    for module, (a, b) in lora_modules(lora).items():
+        out.update(down_up_alpha(f"diffusion_model.{module}", a, b))
+    return out
