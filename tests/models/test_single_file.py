@@ -70,11 +70,12 @@ def flux_to_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def to_fp8(state: dict[str, torch.Tensor], scaled: bool) -> dict[str, torch.Tensor]:
-    """Matrices in float8_e4m3fn as ComfyUI stores them: with `scaled`, each divided by a per-tensor scale
-    (max |w| / 448) kept as '<module>.scale_weight', plus the 'scaled_fp8' marker; vectors stay as they are."""
+    """Weights of 2 or more dimensions in float8_e4m3fn as ComfyUI stores them: with `scaled`, each divided by a
+    per-tensor scale (max |w| / 448) kept as '<module>.scale_weight', plus the 'scaled_fp8' marker; vectors
+    (biases, norms) stay as they are."""
     out = {}
     for name, tensor in state.items():
-        if tensor.dim() == 2 and name.endswith(".weight"):
+        if tensor.dim() >= 2 and name.endswith(".weight"):
             scale = tensor.float().abs().max() / FP8_MAX if scaled else torch.tensor(1.0)
             out[name] = (tensor.float() / scale).to(torch.float8_e4m3fn)
             if scaled:
@@ -320,3 +321,65 @@ def test_wan_original_layout_transformer(tmp_path, kind):
     for name, tensor in state.items():
         want = tensor if kind == "bf16" else dequantised(original, f"model.diffusion_model.{wan_original_name(name)}")
         assert torch.equal(loaded[name], want.bfloat16()), name
+
+
+def vae_to_ldm(state: dict[str, torch.Tensor], num_up_blocks: int) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL state dict in the LDM layout of BFL's ae.safetensors and SD/SDXL VAE files
+    (`encoder.down.0.block.0`, `mid.attn_1` with 1x1-conv attention weights, decoder blocks numbered upwards)."""
+    import re
+
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    top = DIFFUSERS_TO_LDM_MAPPING["vae"]
+    attn = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+    out = {}
+    for name, tensor in state.items():
+        if name in top:
+            out[top[name]] = tensor
+            continue
+        new = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", name)
+        new = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", new)
+        new = re.sub(r"^decoder\.up_blocks\.(\d+)\.resnets\.",
+                     lambda m: f"decoder.up.{num_up_blocks - 1 - int(m[1])}.block.", new)
+        new = re.sub(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                     lambda m: f"decoder.up.{num_up_blocks - 1 - int(m[1])}.upsample.", new)
+        new = re.sub(r"\.mid_block\.resnets\.(\d+)\.", lambda m: f".mid.block_{int(m[1]) + 1}.", new)
+        new = new.replace("conv_shortcut", "nin_shortcut")
+        if ".mid_block.attentions.0." in new:
+            head, _, tail = new.partition(".mid_block.attentions.0.")
+            module, _, suffix = tail.rpartition(".")
+            new = f"{head}.mid.attn_1.{attn[module]}.{suffix}"
+            if tensor.dim() == 2:  # LDM's attention is 1x1 convolutions
+                tensor = tensor[:, :, None, None]
+        out[new] = tensor.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ldm_vae_file(flux_files, tmp_path, fp8):
+    """Flux's VAE as BFL's ae.safetensors lays it out (LDM names), bf16 or scaled fp8, loads through diffusers'
+    LDM VAE converter and encodes as the diffusers folder does (bf16), or to the fp8 file's values."""
+    from safetensors.torch import load_file
+
+    model_dir, _, _ = flux_files
+    config = json.loads((model_dir / "vae" / "config.json").read_text())
+    state = {k: v.bfloat16() for k, v in load_file(model_dir / "vae" / "diffusion_pytorch_model.safetensors").items()}
+    ldm = vae_to_ldm(state, len(config["up_block_types"]))
+    if fp8:
+        ldm = to_fp8(ldm, scaled=True)
+    save_file(ldm, tmp_path / "ae.safetensors")
+    single = load_adapter(params(model_dir, vae=str(tmp_path / "ae.safetensors")))
+    loaded = single.load_vae(torch.device("cpu")).state_dict()
+    assert set(loaded) == set(state)
+    if not fp8:
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+        folder = load_adapter(params(model_dir))
+        pixels = torch.rand(1, 3, 1, 32, 32) * 2 - 1
+        assert torch.equal(single.encode_media(single.load_vae(torch.device("cpu")), pixels)[0]["latents"],
+                           folder.encode_media(folder.load_vae(torch.device("cpu")), pixels)[0]["latents"])
+    else:
+        conv = dequantised(ldm, "encoder.down.0.block.0.conv1.weight")
+        assert torch.equal(loaded["encoder.down_blocks.0.resnets.0.conv1.weight"], conv.bfloat16())
+        q = dequantised(ldm, "encoder.mid.attn_1.q.weight")  # the converter's 1x1-conv slice, scaled
+        assert q.dim() == 4 and torch.equal(loaded["encoder.mid_block.attentions.0.to_q.weight"],
+                                            q[:, :, 0, 0].bfloat16())
