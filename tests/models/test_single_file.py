@@ -424,3 +424,70 @@ def test_stages_train_from_single_files(tmp_path):
     assert weights["transformer"] == hash_json({
         "kind": "single_file", "config": file_hash_cached(model / "transformer" / "config.json", tmp_path / "hc"),
         "file": file_hash_cached(model / "flux1.safetensors", tmp_path / "hc")})
+
+
+# diffusers -> SGM/LDM names of the SDXL UNet's resnet parts and top-level modules
+UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+               "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+UNET_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+            "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",
+            "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2"}
+UNET_LEVEL = r"^(down_blocks|up_blocks)\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.?(.*)$"
+
+
+def unet_to_ldm(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A diffusers UNet2DConditionModel state dict as an SGM/LDM checkpoint holds it (SDXL's
+    `model.diffusion_model.input_blocks.4.1...`): input, middle and output blocks in the original numbering."""
+    import re
+
+    per_level = config["layers_per_block"]
+    stride = per_level + 1
+    up_has_attention = ["CrossAttn" in t for t in config["up_block_types"]]
+    out = {}
+    for name, tensor in state.items():
+        module, _, param = name.rpartition(".")
+        if module in UNET_TOP:
+            new = UNET_TOP[module]
+        elif m := re.match(UNET_LEVEL, module):
+            kind, level, part, j, rest = m[1], int(m[2]), m[3], int(m[4]), m[5]
+            if kind == "down_blocks":
+                prefix = f"input_blocks.{1 + level * stride + (per_level if part == 'downsamplers' else j)}"
+            else:
+                prefix = f"output_blocks.{level * stride + (per_level if part == 'upsamplers' else j)}"
+            new = {"resnets": lambda: f"{prefix}.0.{UNET_RESNET.get(rest)}",
+                   "attentions": lambda: f"{prefix}.1.{rest}", "downsamplers": lambda: f"{prefix}.0.op",
+                   "upsamplers": lambda: f"{prefix}.{2 if up_has_attention[level] else 1}.conv"}[part]()
+        else:
+            m = re.match(r"^mid_block\.(resnets|attentions)\.(\d+)\.?(.*)$", module)
+            new = (f"middle_block.1.{m[3]}" if m[1] == "attentions"
+                   else f"middle_block.{2 * int(m[2])}.{UNET_RESNET[m[3]]}")
+        out[f"model.diffusion_model.{new}.{param}"] = tensor
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sdxl_all_in_one_checkpoint(tmp_path, fp8):
+    """One SGM checkpoint holding the UNet (`model.diffusion_model.`) and the VAE (`first_stage_model.`), as
+    SDXL ships, given as both model.transformer and model.vae: each loads through diffusers' LDM converters."""
+    from diffusion_pipe.models.sdxl import SDXLAdapter
+
+    SDXLAdapter.build_tiny(tmp_path / "model", seed=0)
+    folder = SDXLAdapter(tmp_path / "model", torch.float32)
+    cpu = torch.device("cpu")
+    unet = {k: v.bfloat16() for k, v in folder.load_denoiser(cpu).state_dict().items()}
+    vae = {k: v.bfloat16() for k, v in folder.load_vae(cpu).state_dict().items()}
+    vae_config = json.loads((tmp_path / "model" / "vae" / "config.json").read_text())
+    unet_config = json.loads((tmp_path / "model" / "unet" / "config.json").read_text())
+    checkpoint = unet_to_ldm(unet, unet_config) | {
+        f"first_stage_model.{k}": v for k, v in vae_to_ldm(vae, len(vae_config["up_block_types"])).items()}
+    if fp8:
+        checkpoint = to_fp8(checkpoint, scaled=True)
+    save_file(checkpoint, tmp_path / "sd_xl_base.safetensors")
+    file = str(tmp_path / "sd_xl_base.safetensors")
+    adapter = load_adapter(ModelParams(family="sdxl", path=str(tmp_path / "model"), transformer=file, vae=file))
+    assert adapter.denoiser_dir().name == "unet"
+    for loaded, want in ((adapter.load_denoiser(cpu).state_dict(), unet), (adapter.load_vae(cpu).state_dict(), vae)):
+        assert set(loaded) == set(want)
+        for name, tensor in want.items():
+            tol = tensor.float().abs().max() / 8 + 1e-6 if fp8 else 0
+            assert (loaded[name].float() - tensor.float()).abs().max() <= tol, name
