@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
+    "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
 }
