@@ -21,6 +21,7 @@ REGISTRY: dict[str, str] = {
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
+    "zimage": "diffusion_pipe.models.zimage:ZImageAdapter",
 }
 
 

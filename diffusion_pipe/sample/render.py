@@ -44,8 +44,7 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     for (width, height, frames, steps, guidance, cfg_scale), members in groups.items():
         calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts[prompts[i].negative_prompt], guidance,
                                        cfg_scale) for i in members]
-        kwargs = {k: torch.cat([c[k] for c in calls]).to(device) if isinstance(v, torch.Tensor) else v
-                  for k, v in calls[0].items()}
+        kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
         if "video" in adapter.capabilities.media:
             kwargs["num_frames"] = frames
         result = pipe(height=height, width=width, num_inference_steps=steps, output_type="np",
@@ -55,6 +54,16 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
         for i, item in zip(members, pixels):
             out[i] = (np.clip(item, 0.0, 1.0) * 255).round().astype(np.uint8)
     return out
+
+
+def _join(values: list, device: torch.device) -> object:
+    """One pipeline argument from the prompts of a batch: tensors concatenated, lists (a tensor per prompt, as
+    ZImagePipeline takes its embeddings) joined, anything else (a scale) the first prompt's."""
+    if isinstance(values[0], torch.Tensor):
+        return torch.cat(values).to(device)
+    if isinstance(values[0], list):
+        return [t.to(device) for value in values for t in value]
+    return values[0]
 
 
 def grid(rows: list[list[np.ndarray]], gap: int = 2) -> np.ndarray:
