@@ -243,7 +243,8 @@ class TrainParams:
     max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every_steps: int = 0  # 0: only at the end (and on Ctrl-C)
-    checkpoint_every_minutes: float = 0.0  # also after the first step that ends this long after the last save
+    # also after the first step that ends this long after the last save (0: never): a crash loses at most this
+    checkpoint_every_minutes: float = 30.0
     keep_checkpoints: int = 0  # keep only the newest N checkpoints of a run (0: keep all)
     eval_every_steps: int = 0  # 0: only at the start and the end
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -47,6 +47,8 @@ KEYS = "diffusion_pipe/encode/keys.py"
 PACK = "diffusion_pipe/store/pack.py"
 STORE = "diffusion_pipe/store/store.py"
 LOOP = "diffusion_pipe/train/loop.py"
+CHECKPOINT = "diffusion_pipe/train/checkpoint.py"
+GUARDS = "diffusion_pipe/train/guards.py"
 EXPORT = "diffusion_pipe/export/lora.py"
 PLAN_TESTS = ("tests/encode/test_plan.py",)
 ORDER_TESTS = ("tests/store/test_write_order.py",)
@@ -99,10 +101,14 @@ MUTATIONS: list[Mutation] = [
     Mutation("store-no-shape-check", STORE, "if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:",
              "if False:", ("tests/store/test_corruption.py",), "get() returns tensors its sidecar disagrees with"),
     # resume
-    Mutation("resume-rank0-rng", LOOP, 'client["rng"][dist.rank % len(client["rng"])]', 'client["rng"][0]',
+    Mutation("resume-rank0-rng", CHECKPOINT, 'mine = f"rank{self.dist.rank % ranks}"', 'mine = "rank0"',
              ("tests/train/test_resume.py",), "every rank restores rank 0's RNG states"),
-    Mutation("resume-no-rng", LOOP, "        _restore_rng(client, dist)\n", "        pass\n",
+    Mutation("resume-no-rng", CHECKPOINT, '        torch.set_rng_state(rng[f"{mine}/cpu"])\n', "",
              ("tests/train/test_resume.py",), "a resumed run draws from a fresh RNG"),
+    Mutation("resume-no-hash-check", CHECKPOINT, "if hash_file(path / name) != digest:", "if False:",
+             ("tests/train/test_checkpoint.py",), "a damaged checkpoint file is loaded"),
+    Mutation("train-no-divergence-stop", GUARDS, "return math.isfinite(loss) and", "return True or",
+             ("tests/train/test_checkpoint.py",), "a run at loss NaN trains on"),
     Mutation("resume-position-lost", LOOP, 'state["position"] = loader.position', 'state["position"] = 0',
              ("tests/train/test_resume.py",), "a resumed run restarts the data order"),
     # export scale

@@ -20,7 +20,8 @@ def test_example_trains_on_gpu(tmp_path, dtype, compile_layers):
     repo, report, rows = train_example(tmp_path, {
         "dtype: float32": f"dtype: {dtype}", "steps: 120": f"steps: {STEPS}",
         # a save whenever 6 ms have passed since the last one: about every step; only the newest 2 are kept
-        "eval_every_steps: 40": "eval_every_steps: 0\n  device: cuda\n  checkpoint_every_minutes: 0.0001\n"
+        "checkpoint_every_minutes: 30": "checkpoint_every_minutes: 0.0001",
+        "eval_every_steps: 40": "eval_every_steps: 0\n  device: cuda\n"
                                 f"  keep_checkpoints: 2\n  compile: {str(compile_layers).lower()}"}, dvc=False)
     losses = [float(r["loss"]) for r in rows]
     # unscaled losses of the size the fp32 CPU run reports (about 1), which fall; finite gradient norms

@@ -100,9 +100,9 @@ def test_checkpoints_by_time_and_pruning(encoded_repo, tmp_path):
     neither setting changes the run's identity, so the run continues where the other left off."""
     repo, store = encoded_repo
     params = (repo / "params.yaml").read_text().replace(f"steps: {STEPS}", "steps: 6")
-    (tmp_path / "timed.yaml").write_text(params.replace(
-        "checkpoint_every_steps: 3", "checkpoint_every_steps: 0\n  checkpoint_every_minutes: 1.0e-9\n"
-        "  keep_checkpoints: 2"))
+    timed = params.replace("checkpoint_every_steps: 3", "checkpoint_every_steps: 0")
+    (tmp_path / "timed.yaml").write_text(timed.replace("checkpoint_every_minutes: 30",
+                                                       "keep_checkpoints: 2\n  checkpoint_every_minutes: 1.0e-9"))
     (tmp_path / "plain.yaml").write_text(params)
     runs = tmp_path / "runs"
     run_checked([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo, env=run_env(store))
