@@ -4,6 +4,7 @@ run stops at its first non-finite step without writing a LoRA."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import torch
 
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
 
 STEPS = 12
 PARAMS = {"steps: 120": f"steps: {STEPS}",
@@ -171,6 +172,21 @@ def test_a_planted_checkpoint_runs_no_pickle(encoded_repo, whole, tmp_path):
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert f"{step_dir}: not a checkpoint this version of diffusion-pipe can read" in refused.stderr
     assert not (runs / "out/lora.safetensors").exists()
+
+
+@pytest.mark.parametrize("path", ["params.yaml", *sorted(str(p.relative_to(REPO)) for p in
+                                                         (REPO / "examples").glob("*/params*.yaml"))])
+def test_shipped_params_checkpoint_every_30_minutes(path):
+    """A crash loses at most half an hour: the shipped params, and a params file that leaves the key out, save by
+    time; how often a run saves is not part of its identity, so changing it continues the run."""
+    from diffusion_pipe.params import TrainParams, load_params
+    from diffusion_pipe.train.loop import run_identity
+
+    train = load_params(REPO / path).train
+    assert train.checkpoint_every_minutes == 30 and TrainParams().checkpoint_every_minutes == 30
+    identity = run_identity(load_params(REPO / "params.yaml").model, train, REPO / "params.yaml", 32, 1)
+    assert identity == run_identity(load_params(REPO / "params.yaml").model,
+                                    dataclasses.replace(train, checkpoint_every_minutes=1), REPO / "params.yaml", 32, 1)
 
 
 def test_a_diverging_run_stops_at_its_first_non_finite_step(encoded_repo, tmp_path):
