@@ -51,7 +51,7 @@ class Found:
 
     step: int | None
     path: Path | None
-    damaged: list[str]  # "step12: stage0.safetensors does not match its hash", newest first
+    damaged: list[tuple[str, str]]  # ("step12", "stage0.safetensors is missing"), newest first
     incomplete: list[str]  # step directories without a manifest, passed over
 
 
@@ -101,7 +101,7 @@ def find_newest_intact(directory: Path) -> Found:
             continue
         if (problem := check_step_dir(path, step)) is None:
             return Found(step, path, damaged, incomplete)
-        damaged.append(f"{path.name}: {problem}")
+        damaged.append((path.name, problem))
     return Found(None, None, damaged, incomplete)
 
 
@@ -111,13 +111,14 @@ def choose_checkpoint(directory: Path, announce: bool, required: bool = False) -
     starting over silently would throw away a run the user may want to repair."""
     found = find_newest_intact(directory)
     if found.step is None and (found.damaged or required):
-        what = "; ".join(found.damaged + [f"{name}: no {MANIFEST}" for name in found.incomplete]) or "none there"
+        what = "; ".join([f"{name}: {problem}" for name, problem in found.damaged]
+                         + [f"{name}: no {MANIFEST}" for name in found.incomplete]) or "none there"
         raise CheckpointError(f"{directory}: no intact checkpoint to resume from ({what}). Delete the damaged "
                               f"step directories (or the whole {directory.name}) to start this run over")
     if announce:
-        for problem in found.damaged:
-            print(f"train: warning: checkpoint {directory / problem.split(':')[0]} is damaged and not used: "
-                  f"{problem.split(': ', 1)[1]}", file=sys.stderr)
+        for name, problem in found.damaged:
+            print(f"train: warning: checkpoint {directory / name} is damaged and not used: {problem}",
+                  file=sys.stderr)
         for name in found.incomplete:
             print(f"train: warning: {directory / name} has no {MANIFEST} and is not used: its save was cut short, "
                   "or an older diffusion-pipe wrote it in DeepSpeed's pickle format, which is never loaded",

@@ -106,7 +106,8 @@ def test_damage_is_named_and_the_newest_intact_checkpoint_chosen(whole, tmp_path
     (directory / "latest").write_text("")  # `latest` is for people; an empty one changes nothing
     found = find_newest_intact(directory)
     assert (found.step, found.path) == (9, directory / "step9")
-    assert len(found.damaged) == 1 and found.damaged[0].startswith(f"step12: {message}")
+    ((name, problem),) = found.damaged
+    assert name == "step12" and problem.startswith(message)
 
 
 def test_no_intact_checkpoint_is_an_error_naming_each(whole, tmp_path, capsys):
