@@ -226,8 +226,14 @@ def load_single_file_component(cls: type, directory: Path, file: Path, dtype: to
 
     weights = single_file_weights(file, cls, {})
     state = {name: weights.tensor(name, dtype) for name in weights.keys()}
-    return cls.from_pretrained(None, config=AutoConfig.from_pretrained(directory), state_dict=state,
-                               dtype=dtype)
+    module, info = cls.from_pretrained(None, config=AutoConfig.from_pretrained(directory), state_dict=state,
+                                       dtype=dtype, output_loading_info=True)
+    # transformers initialises what the file lacks at random and only warns: a wrong file would encode noise
+    if missing := sorted(info["missing_keys"]):
+        raise ValueError(f"{file}: {len(missing)} tensors of {cls.__name__} are not in it (e.g. {missing[0]}; it "
+                         f"holds e.g. {next(iter(state), 'nothing')}); is it the {directory.name} of this "
+                         "family, as a text-encoder file on its own (not inside an all-in-one checkpoint)?")
+    return module
 
 
 # ---- model views ---------------------------------------------------------------------------------------------

@@ -229,6 +229,9 @@ def test_errors_name_the_param(flux_files, tmp_path):
     adapter = load_adapter(params(model_dir, vae=str(files["bf16"])))
     with pytest.raises(ValueError, match=r"flux1-tiny.safetensors: diffusers could not convert it for AutoencoderKL"):
         adapter.load_vae(torch.device("cpu"))
+    adapter = load_adapter(params(model_dir, text_encoders=(str(files["t5"]), "")))  # T5's file as CLIP's
+    with pytest.raises(ValueError, match=r"model.safetensors: \d+ tensors of CLIPTextModel are not in it"):
+        adapter.load_text_encoders(torch.device("cpu"))
 
 
 def test_hub_id_from_cache_offline(flux_files, tmp_path, monkeypatch):
