@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
+    "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
