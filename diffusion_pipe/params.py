@@ -9,12 +9,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from diffusion_pipe.config import ConfigError, _closest, from_dict, load_yaml
+from diffusion_pipe.config import ConfigError, Range, _closest, from_dict, load_yaml
 from diffusion_pipe.redact import redact
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+
+# Ranges shared by many params (each class's RANGES names one per numeric field; config.from_dict checks them).
+_AT_LEAST_0 = Range(0)
+_AT_LEAST_1 = Range(1)
+_POSITIVE = Range(0, lo_open=True)
+_FRACTION = Range(0, 1, hi_open=True)  # probabilities and fractions that must leave something: [0, 1)
+_SEED = Range(0, 2**32 - 1)  # what every RNG we seed (torch, numpy, Python) accepts
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ class ModelParams:
 @dataclass(frozen=True)
 class DatasetParams:
     """One dataset directory and how its items are captioned, bucketed and split."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "repeats": Range(1, 10_000), "resolutions": Range(16, 16_384), "frames": Range(1, 10_000),
+        "eval_fraction": _FRACTION,
+    }
 
     path: str
     name: str = ""  # defaults to the directory's base name
@@ -83,12 +95,33 @@ class DatasetParams:
 class ScanParams:
     """The scan stage: which datasets, and how buckets are laid out."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "bucket_step": Range(1, 1024), "min_aspect": Range(0, 1, lo_open=True), "max_aspect": Range(1, 100),
+        "max_image_pixels": _AT_LEAST_0, "max_caption_bytes": _AT_LEAST_1, "workers": Range(0, 4096),
+    }
+
     datasets: tuple[DatasetParams, ...] = ()
     bucket_step: int = 64  # bucket sides are multiples of this many pixels
     min_aspect: float = 0.5  # narrowest bucket, width / height
     max_aspect: float = 2.0  # widest bucket, width / height
-    max_image_pixels: int = 178_956_970  # larger images are excluded as decompression bombs
+    # Larger images are excluded ('too_large', read from the header, never decoded). 0: what training can use,
+    # AUTO_PIXELS_PER_BUCKET_PIXEL x the largest bucket area (a larger image shrinks over 10x per side to fit
+    # its bucket), but never under AUTO_MIN_IMAGE_PIXELS (a 100-megapixel camera's photos always pass).
+    max_image_pixels: int = 0
+    # Longer caption files exclude their item ('caption_too_long'), unread: a 50 MB caption took 3.7 GB in encode.
+    max_caption_bytes: int = 65_536
     workers: int = 0  # 0: every core
+
+    AUTO_PIXELS_PER_BUCKET_PIXEL: ClassVar[int] = 100
+    AUTO_MIN_IMAGE_PIXELS: ClassVar[int] = 100_000_000
+
+    @property
+    def image_pixel_limit(self) -> int:
+        """The pixel count over which an image is excluded: `max_image_pixels`, or when 0 its default (above)."""
+        if self.max_image_pixels:
+            return self.max_image_pixels
+        largest = max(res for ds in self.datasets for res in ds.resolutions)
+        return max(self.AUTO_MIN_IMAGE_PIXELS, self.AUTO_PIXELS_PER_BUCKET_PIXEL * largest * largest)
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -100,10 +133,10 @@ class ScanParams:
                 f"min_aspect and max_aspect must satisfy 0 < min_aspect <= 1 <= max_aspect, "
                 f"got {self.min_aspect} and {self.max_aspect}"
             )
-        if self.max_image_pixels <= 0:
-            raise ValueError(f"max_image_pixels must be > 0, got {self.max_image_pixels}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (0: every core), got {self.workers}")
+        if self.max_image_pixels < 0:
+            raise ValueError(f"max_image_pixels must be >= 0 (0: what training can use), got {self.max_image_pixels}")
         from diffusion_pipe.scan.buckets import bucket_layout  # lazy: the scan package imports this module
 
         for i, ds in enumerate(self.datasets):
@@ -119,6 +152,11 @@ class ScanParams:
 @dataclass(frozen=True)
 class EncodeParams:
     """The encode stage: how latents and text embeddings are computed."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "batch_size": _AT_LEAST_1, "text_max_length": Range(1, 65_536), "pack_size_mb": Range(0, 65_536, lo_open=True),
+        "workers": Range(0, 4096), "worker_stall_timeout_s": _POSITIVE,
+    }
 
     batch_size: int = 8
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -162,6 +200,11 @@ class SamplePrompt:
     """One prompt rendered during training (and by the `sample` stage), with the same seed every time. Sizes,
     frames, steps and guidance of 0 (or less, for guidance) take the `train.samples` defaults."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "seed": _SEED, "width": _AT_LEAST_0, "height": _AT_LEAST_0, "frames": _AT_LEAST_0, "steps": _AT_LEAST_0,
+        "guidance": Range(), "cfg_scale": _AT_LEAST_0,  # guidance: any finite value (< 0: the default)
+    }
+
     prompt: str
     negative_prompt: str = ""  # families with classifier-free guidance (cfg_scale > 1) use it
     seed: int = 0
@@ -183,6 +226,11 @@ class SamplePrompt:
 class SampleParams:
     """`train.samples`: prompts rendered at step 0, every `every_steps` steps and at the end of training, with
     the LoRA as it is then; also what the `sample` stage renders with and without the exported LoRA."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "every_steps": _AT_LEAST_0, "width": _AT_LEAST_1, "height": _AT_LEAST_1, "frames": _AT_LEAST_1,
+        "steps": _AT_LEAST_1, "guidance": _AT_LEAST_0, "cfg_scale": _AT_LEAST_0,
+    }
 
     prompts: tuple[SamplePrompt, ...] = ()
     every_steps: int = 0  # 0: only at step 0 and at the end
@@ -208,15 +256,22 @@ class SampleParams:
                              guidance=p.guidance if p.guidance >= 0 else self.guidance,
                              cfg_scale=p.cfg_scale or self.cfg_scale) for p in self.prompts)
 
-    def texts(self) -> tuple[str, ...]:
-        """Every prompt and negative prompt to encode; the empty negative prompt too, since a family's
-        classifier-free guidance runs on the negative prompt's embeddings whether it was written or not."""
-        return tuple(sorted({text for p in self.prompts for text in (p.prompt, p.negative_prompt)}))
 
 
 @dataclass(frozen=True)
 class TrainParams:
     """The train stage: optimisation, LoRA, objective, parallel layout, checkpoints and evaluation."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "seed": _SEED, "steps": _AT_LEAST_1, "micro_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
+        "learning_rate": Range(0, 1, lo_open=True), "warmup_steps": _AT_LEAST_0, "weight_decay": _AT_LEAST_0,
+        "adam_betas": _FRACTION, "adam_eps": Range(0, 1, lo_open=True), "max_grad_norm": _AT_LEAST_0,  # 0: no clipping
+        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION, "flow_shift": _POSITIVE,
+        "guidance": _AT_LEAST_0, "epochs": _AT_LEAST_0, "noise_offset": Range(0, 1), "min_snr_gamma": _AT_LEAST_0,
+        "pipeline_stages": _AT_LEAST_1, "blocks_to_swap": _AT_LEAST_0, "max_gpu_memory_gb": _AT_LEAST_0,
+        "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
+        "eval_every_steps": _AT_LEAST_0, "eval_timesteps": Range(0, 1),  # a fraction of the noise schedule
+    }
 
     seed: int = 0
     steps: int = 100
@@ -236,6 +291,9 @@ class TrainParams:
     timestep_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     flow_shift: float = 1.0
     guidance: float = 1.0  # value fed to guidance-distilled models (Flux-dev) during training
+    epochs: int = 0  # > 0: train this many passes over the train split; `steps` is then computed, not read
+    noise_offset: float = 0.0  # add this x a per-channel constant to the noise (0.05-0.1 helps learn brightness)
+    min_snr_gamma: float = 0.0  # > 0: min-SNR-gamma loss weighting (epsilon / v families; 5 is usual)
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
@@ -261,6 +319,8 @@ class TrainParams:
             raise ValueError("checkpoint_every_steps, checkpoint_every_minutes and keep_checkpoints must be >= 0")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if self.epochs < 0 or self.noise_offset < 0 or self.min_snr_gamma < 0:
+            raise ValueError("epochs, noise_offset and min_snr_gamma must be >= 0")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 

@@ -31,7 +31,7 @@ from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import resolve_device
-from diffusion_pipe.params import EncodeParams, ModelParams, ScanParams
+from diffusion_pipe.params import EncodeParams, ModelParams, SamplePrompt, ScanParams
 from diffusion_pipe.redact import redact
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
@@ -285,14 +285,14 @@ def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
 
 def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, manifest_path: Path,
                     encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
-                    workers: WorkerLayout | None = None, sample_prompts: tuple[str, ...] = ()) -> dict:
+                    workers: WorkerLayout | None = None, sample_prompts: tuple[SamplePrompt, ...] = ()) -> dict:
     """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
     upload what was computed; write the encoded table and the report (rank 0). Returns the report.
 
     The remote is `encode.remote` resolved against `repo_root` (by default the repo's DVC remote, if any).
     Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
-    keys and rank 0 waits for all of them before writing the outputs. `sample_prompts` (`train.samples`) are
-    embedded into the store like captions, for training to render samples without its text encoders; they are
+    keys and rank 0 waits for all of them before writing the outputs. The texts of `sample_prompts` (resolved
+    `train.samples` prompts, as the adapter's `sample_texts` names them) are embedded into the store like captions, for training to render samples without its text encoders; they are
     not rows of the encoded table.
     """
     started = time.perf_counter()
@@ -306,8 +306,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
 
     first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key
     captions = {s.text_key: s.caption for s in samples}
+    prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)})
     captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,
-                                                               sample_prompts).items()}
+                                                               prompt_texts).items()}
     wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}

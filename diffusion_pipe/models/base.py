@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from diffusion_pipe.params import SamplePrompt
+
 TensorDict = dict[str, torch.Tensor]
 Spec = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, dtype name)
 
@@ -193,6 +195,11 @@ class Adapter(ABC):
         raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet; "
                           "leave the prompts empty")
 
+    def sample_size_multiple(self) -> int:
+        """Sample widths and heights must be multiples of this: `pixel_multiple`, unless the family's pipeline
+        demands more (LTXPipeline: 32)."""
+        return self.pixel_multiple
+
     def sample_pipeline(self, denoiser: nn.Module, vae: nn.Module) -> object:
         """The family's pipeline over `denoiser` (as it is being trained), `vae` and the model's own scheduler,
         without text encoders: prompts arrive as stored embeddings (`sample_inputs`), so no text encoder sits
@@ -214,11 +221,18 @@ class Adapter(ABC):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float,
+    def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
+        """The texts a resolved sample prompt renders from, which encode embeds into the store: the prompt and
+        its negative prompt (the empty one too: classifier-free guidance runs on its embeddings). A family whose
+        guidance can do without a negative prompt leaves it out when `sample_inputs` will not read it."""
+        return (prompt.prompt, prompt.negative_prompt)
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict | None, guidance: float,
                       cfg_scale: float) -> dict:
         """The pipeline call's keyword arguments for one prompt from its stored text entries (`text`, and
-        `negative` for the negative prompt, each unbatched): embeddings, guidance and CFG as the family takes
-        them. `guidance` is the pipeline's `guidance_scale`; `cfg_scale` true CFG where that is separate."""
+        `negative` for the negative prompt, each unbatched; None when `sample_texts` left it out): embeddings,
+        guidance and CFG as the family takes them. `guidance` is the pipeline's `guidance_scale`; `cfg_scale`
+        true CFG where that is separate."""
         raise NotImplementedError(f"family '{self.name}' has no sample_inputs")
 
     @classmethod

@@ -20,6 +20,7 @@ from torch import nn
 from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
 from diffusion_pipe.models.flux import FluxAdapter, image_ids, pack_latents
+from diffusion_pipe.params import SamplePrompt
 
 
 @dataclass
@@ -170,6 +171,10 @@ class ChromaAdapter(FluxAdapter):
         from diffusers import ChromaPipeline
 
         return ChromaPipeline
+
+    def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
+        """Always the negative prompt too: Chroma's guidance is classifier-free (not Flux's distilled kind)."""
+        return (prompt.prompt, prompt.negative_prompt)
 
     def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
         """`guidance` is Chroma's classifier-free guidance scale (it has no distilled guidance), over the negative

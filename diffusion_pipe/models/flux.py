@@ -11,6 +11,7 @@ from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
+from diffusion_pipe.params import SamplePrompt
 
 
 @dataclass
@@ -218,7 +219,12 @@ class FluxAdapter(Adapter):
 
         return FluxPipeline
 
-    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+    def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
+        """The negative prompt only with true CFG (cfg_scale > 1): Flux's distilled guidance needs none."""
+        return (prompt.prompt, prompt.negative_prompt) if prompt.cfg_scale > 1 else (prompt.prompt,)
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict | None, guidance: float,
+                      cfg_scale: float) -> dict:
         kwargs = {"prompt_embeds": text["t5"][None].to(self.dtype),
                   "pooled_prompt_embeds": text["clip_pooled"][None].to(self.dtype), "guidance_scale": guidance}
         if cfg_scale > 1:  # true CFG, on top of the distilled guidance

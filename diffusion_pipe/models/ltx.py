@@ -111,6 +111,9 @@ class LTXAdapter(Adapter):
     def pixel_multiple(self) -> int:
         return self._vae_ratios()[0] * self._config("transformer")["patch_size"]
 
+    def sample_size_multiple(self) -> int:
+        return max(32, self.pixel_multiple)  # LTXPipeline refuses sizes that are not multiples of 32
+
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 

@@ -18,11 +18,16 @@ from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.params import SamplePrompt
 
 
+def prompt_texts(adapter: Adapter, prompts: tuple[SamplePrompt, ...]) -> tuple[str, ...]:
+    """Every text the resolved `prompts` render from (the family decides whether negative prompts count)."""
+    return tuple(sorted({text for p in prompts for text in adapter.sample_texts(p)}))
+
+
 def check_prompt_size(adapter: Adapter, prompt: SamplePrompt) -> None:
     """A sample size the model cannot render is an error naming the prompt and the multiple it needs."""
     from diffusion_pipe.config import ConfigError
 
-    m = adapter.pixel_multiple
+    m = adapter.sample_size_multiple()
     if prompt.width % m or prompt.height % m:
         raise ConfigError(f"train.samples: prompt {prompt.prompt!r} is {prompt.width}x{prompt.height}; family "
                           f"'{adapter.name}' renders sides that are multiples of {m}: set width and height to such")
@@ -42,7 +47,7 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     for i, p in enumerate(prompts):
         groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale), []).append(i)
     for (width, height, frames, steps, guidance, cfg_scale), members in groups.items():
-        calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts[prompts[i].negative_prompt], guidance,
+        calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts.get(prompts[i].negative_prompt), guidance,
                                        cfg_scale) for i in members]
         kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
         if "video" in adapter.capabilities.media:

@@ -33,7 +33,8 @@ from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.params import ModelParams, SampleParams
 from diffusion_pipe.encode.encode import caption_text_keys
-from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, poster, render_prompts, write_media
+from diffusion_pipe.sample.render import (check_prompt_size, grid, png_bytes, poster, prompt_texts, render_prompts,
+                                          write_media)
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.pipeline import Dist
 from diffusion_pipe.train.swap import SwappedLayer
@@ -77,13 +78,14 @@ class TrainingSamples:
         for prompt in samples.resolved():
             check_prompt_size(adapter, prompt)
         if samples.prompts and dist.rank == 0:
-            keys = caption_text_keys(adapter, model, text_max_length, samples.texts())
+            keys = caption_text_keys(adapter, model, text_max_length, prompt_texts(adapter, samples.resolved()))
             missing = sorted(text for text, key in keys.items() if not store.contains("text", key))
             if missing:
                 shown = ", ".join(repr(t) for t in missing[:3]) + (", ..." if len(missing) > 3 else "")
-                raise ConfigError(f"train.samples.prompts: {len(missing)} prompt texts ({shown}; '' is the empty "
-                                  f"negative prompt) have no text entry in the store at {store.root}; run the encode "
-                                  "stage (dvc repro encode), which embeds the sample prompts like captions")
+                shown += "; '' is the empty negative prompt" if "" in missing else ""
+                raise ConfigError(f"train.samples.prompts: {len(missing)} prompt texts ({shown}) have no text entry "
+                                  f"in the store at {store.root}; run the encode stage (dvc repro encode), which "
+                                  "embeds the sample prompts like captions")
             texts = {text: store.get("text", key) for text, key in keys.items()}
         owners = remote_owners(adapter, denoiser, num_stages, dp_world) if num_stages > 1 else {}
         return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,

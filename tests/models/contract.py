@@ -227,6 +227,28 @@ class AdapterContract:
         with pytest.raises(ValueError, match="export.formats: 'nope' is not supported"):
             adapter.export_lora(lora, "nope")
 
+    def test_sample_pipeline_renders_stored_embeddings(self, adapter, lora_model):
+        """Samples during training: the family's pipeline over the LoRA-wrapped denoiser, with prompts as text
+        entries and no text encoder, renders the size asked for, deterministically under the prompt's seed."""
+        from diffusion_pipe.params import SamplePrompt
+        from diffusion_pipe.sample.render import prompt_texts, render_prompts
+
+        if type(adapter).pipeline_class is Adapter.pipeline_class:
+            pytest.skip(f"family '{adapter.name}' does not render samples yet")
+        cpu = torch.device("cpu")
+        multiple = adapter.sample_size_multiple()
+        width = height = multiple * max(1, -(-32 // multiple))  # about 32 pixels, as the family allows
+        frames = self.media_sizes[-1][2]
+        prompts = (SamplePrompt("a red circle", seed=1, width=width, height=height, frames=frames, steps=2,
+                                guidance=2.0, cfg_scale=2.0),)
+        names = prompt_texts(adapter, prompts)
+        encoders = adapter.load_text_encoders(cpu)
+        texts = dict(zip(names, adapter.encode_text(encoders, list(names), self.text_max_length)))
+        pipe = adapter.sample_pipeline(lora_model[0], adapter.load_vae(cpu))
+        first, again = (render_prompts(pipe, adapter, prompts, texts, cpu)[0] for _ in range(2))
+        assert first.shape == (frames, height, width, 3)
+        assert (first == again).all()
+
     def test_exported_lora_round_trips_into_diffusers_pipeline(self, adapter, lora_model, model_dir):
         import diffusers
 

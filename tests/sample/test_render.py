@@ -9,7 +9,8 @@ import torch
 from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import SampleParams, TrainParams
-from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, render_prompts
+from diffusion_pipe.models.sdxl import SDXLAdapter
+from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, prompt_texts, render_prompts
 from diffusion_pipe.train.samples import sample_steps
 from tests.sample.helpers import sample_params
 
@@ -21,13 +22,16 @@ def test_sample_steps_are_zero_every_n_and_the_end():
     assert sample_steps(sample_params(prompts=[]), 10) == []
 
 
-def test_prompt_defaults_and_texts():
+def test_prompt_defaults_and_the_texts_each_family_renders_from(tiny_flux_dir):
     samples = sample_params(prompts=[{"prompt": "a", "negative_prompt": "blurry", "width": 64, "guidance": 0.0},
-                                     {"prompt": "b", "seed": 7}])
-    a, b = samples.resolved()
+                                     {"prompt": "b", "seed": 7}, {"prompt": "c", "cfg_scale": 2.0}])
+    a, b, c = samples.resolved()
     assert (a.width, a.height, a.steps, a.guidance) == (64, 32, 3, 0.0)
     assert (b.width, b.seed, b.guidance, b.cfg_scale) == (32, 7, 3.5, 1.0)
-    assert samples.texts() == ("", "a", "b", "blurry")  # the empty negative prompt is embedded too
+    # Flux's distilled guidance needs no negative prompt; its true CFG (cfg_scale > 1) needs one, empty or not
+    assert prompt_texts(FluxAdapter(tiny_flux_dir, torch.float32), samples.resolved()) == ("", "a", "b", "c")
+    # a CFG family embeds every negative prompt
+    assert prompt_texts(SDXLAdapter(tiny_flux_dir, torch.float32), samples.resolved()) == ("", "a", "b", "blurry", "c")
 
 
 def test_samples_are_checked_like_every_param():
@@ -54,7 +58,8 @@ def test_rendering_is_deterministic_and_each_prompt_keeps_its_seed(tiny_flux_dir
     pipe = adapter.sample_pipeline(adapter.load_denoiser(cpu), adapter.load_vae(cpu))
     samples = sample_params()
     encoders = adapter.load_text_encoders(cpu)
-    texts = dict(zip(samples.texts(), adapter.encode_text(encoders, list(samples.texts()), 32)))
+    names = prompt_texts(adapter, samples.resolved())
+    texts = dict(zip(names, adapter.encode_text(encoders, list(names), 32)))
     prompts = samples.resolved()
 
     first = render_prompts(pipe, adapter, prompts, texts, cpu)
