@@ -220,8 +220,21 @@ def load_single_file_component(cls: type, directory: Path, file: Path, dtype: to
         config = dict(cls.load_config(directory))
         weights = single_file_weights(file, cls, config)
         state = {name: weights.tensor(name, dtype) for name in weights.keys()}
-        return cls.from_single_file(state, config=str(directory.parent), subfolder=directory.name,
-                                    torch_dtype=dtype, local_files_only=True)
+        if _diffusers_converter(cls) is not None:
+            return cls.from_single_file(state, config=str(directory.parent), subfolder=directory.name,
+                                        torch_dtype=dtype, local_files_only=True)
+        # diffusers has no single-file layout for this class: a file in its own names still loads
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            module = cls.from_config(config)
+        try:
+            module.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ValueError(f"{file}: diffusers has no single-file converter for {cls.__name__}, and the file "
+                             f"is not in its diffusers names ({str(exc).splitlines()[1][:200]}); convert it to a "
+                             "diffusers folder, or give its model.path component instead") from None
+        return module.to(dtype)
     from transformers import AutoConfig
 
     weights = single_file_weights(file, cls, {})
