@@ -2,13 +2,16 @@
 metadata under `diffusion_pipe.lineage` and in a `lineage.json` beside the file.
 
 A record holds: the resolved params; the hashes of the manifest, the encoded table and the set of store keys
-trained on; the base model's weights hash per component; the `dvc.lock` entries; the git commit and dirty flag;
+trained on; per dataset, a hash of its media and one of its captions (from the manifest); the base model's weights
+hash per component; the `dvc.lock` entries of the stages upstream of it (and only those: never the entry of the
+stage writing it, which still describes its previous run); the git commit and dirty flag;
 every installed package's version with Python, torch, CUDA and GPU; seed, steps and the final losses. Paths in
 it are relative to the repository, so `diffusion-pipe lineage --verify` can check a record against a clone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import platform
@@ -24,10 +27,14 @@ from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import Params
 from diffusion_pipe.redact import redact_obj
 
-LINEAGE_VERSION = 2
+LINEAGE_VERSION = 3
 METADATA_KEY = "diffusion_pipe.lineage"
 MANIFEST = Path("data/manifest.parquet")
 STORE_FAMILIES = ("latent", "text")
+# The dvc.lock entries that describe a record's inputs, by the stage writing the record: a stage's own entry is
+# rewritten only after it finishes, so while it runs the entry is the previous run's (its deps point at the
+# previous inputs), and downstream entries are not inputs at all.
+UPSTREAM_STAGES = {"train": ("scan", "encode"), "export": ("scan", "encode", "train")}
 
 
 def git_state(repo: Path) -> dict:
@@ -63,6 +70,30 @@ def dvc_lock_entries(repo: Path) -> dict:
     from ruamel.yaml import YAML
 
     return (YAML(typ="safe", pure=True).load(lock.read_text()) or {}).get("stages", {})
+
+
+def lock_mismatches(entries: dict, inputs: dict) -> dict[str, str]:
+    """Stage -> why its dvc.lock entry does not describe these inputs: a dep or out at the path of one of
+    `inputs` (a record's `inputs`: manifest, encoded table, LoRA, each with its md5) that carries another md5.
+    Pure; inputs without an md5 are not compared."""
+    by_path = {i["path"]: i["md5"] for i in inputs.values() if isinstance(i, dict) and i.get("md5")}
+    problems: dict[str, str] = {}
+    for stage, entry in sorted(entries.items()):
+        for kind in ("deps", "outs"):
+            for item in entry.get(kind) or []:
+                want = by_path.get(item.get("path"))
+                if want is not None and item.get("md5") != want:
+                    problems.setdefault(stage, f"its {kind[:-1]} {item['path']} has md5 {item.get('md5')}, the "
+                                               f"file this was built from has md5 {want}")
+    return problems
+
+
+def upstream_lock_entries(repo: Path, stage: str, inputs: dict) -> tuple[dict, dict[str, str]]:
+    """The dvc.lock entries of the stages upstream of `stage` that describe `inputs`, and stage -> why an entry
+    was left out (it records other files: that stage ran outside DVC and was not `dvc commit`ed since)."""
+    entries = {name: entry for name, entry in dvc_lock_entries(repo).items() if name in UPSTREAM_STAGES[stage]}
+    omitted = lock_mismatches(entries, inputs)
+    return {k: v for k, v in entries.items() if k not in omitted}, omitted
 
 
 def encoded_store_keys(encoded_path: Path) -> dict[str, list[str]]:
@@ -114,10 +145,43 @@ def repo_relative(repo: Path, path: Path) -> str:
         return str(full)
 
 
+def md5_file(path: Path) -> str:
+    """The md5 of a file's bytes, as dvc.lock records it (only for the few small files a record names)."""
+    digest = hashlib.md5()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def file_input(repo: Path, path: Path) -> dict | None:
-    """{"path": repo-relative path, "xxh3_128": hash} of an input file, or None if it does not exist."""
+    """{"path": repo-relative path, "xxh3_128": hash, "md5": the hash dvc.lock uses} of an input file, or None
+    if it does not exist."""
     full = path if path.is_absolute() else repo / path
-    return {"path": repo_relative(repo, full), "xxh3_128": hash_file(full)} if full.is_file() else None
+    if not full.is_file():
+        return None
+    return {"path": repo_relative(repo, full), "xxh3_128": hash_file(full), "md5": md5_file(full)}
+
+
+def dataset_inputs(params: Params, manifest_path: Path) -> dict[str, dict]:
+    """Per dataset of `scan.datasets` (by its manifest name): its path, item count, and one hash of its media
+    and one of its captions (over the manifest's sorted (path, content hash) and (path, caption hash) pairs), so
+    that two records tell an edited caption from changed media. Empty without a manifest."""
+    if not manifest_path.is_file():
+        return {}
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(manifest_path, columns=["dataset", "path", "content_hash", "caption_hash"]).to_pylist()
+    return {ds.manifest_name: {"path": ds.path, **dataset_summary([r for r in table if r["dataset"] ==
+                                                                    ds.manifest_name])}
+            for ds in params.scan.datasets}
+
+
+def dataset_summary(rows: list[dict]) -> dict:
+    """One dataset's manifest rows summed up: item count, a hash of its media and one of its captions. Pure."""
+    rows = sorted(rows, key=lambda r: r["path"])
+    return {"items": len(rows), "media_xxh3": hash_json([[r["path"], r["content_hash"]] for r in rows]),
+            "captions_xxh3": hash_json([[r["path"], r["caption_hash"]] for r in rows])}
 
 
 def training_record(params: Params, train_report: dict | None) -> dict:
@@ -136,31 +200,40 @@ def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_key
     (`encoded_store_keys(encoded_path)` gives them); `train_report`: the train report so far (steps, losses),
     or None before the first step. Relative paths are taken relative to `repo`.
     """
-    return {
-        "lineage_version": LINEAGE_VERSION,
-        "kind": "checkpoint",
-        "params": redact_obj(to_dict(params)),  # a remote URL's password never enters a record
-        "inputs": {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
-                   "store_keys": store_keys_record(store_keys)},
-        "base_model": {"family": params.model.family, "path": params.model.path, "dtype": params.model.dtype,
-                       "weights": base_weights(model_dir(params, repo)), "revision": base_revision(params, repo)},
-        "dvc_lock": redact_obj(dvc_lock_entries(repo)),
-        "git": git_state(repo),
-        "environment": environment(),
-        "training": training_record(params, train_report),
-    }
+    inputs = {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
+              "store_keys": store_keys_record(store_keys)}
+    return _lineage("checkpoint", "train", params, repo, inputs, train_report, manifest_path)
 
 
 def export_lineage(params: Params, repo: Path, lora_path: Path, manifest_path: Path, encoded_path: Path,
                    train_report: dict | None, trained_lineage: dict | None) -> dict:
-    """The lineage record of an export: the checkpoint record of the inputs as they are now, the trained LoRA's
-    hash, and the record the train stage stamped on that LoRA (None when it carries none)."""
-    record = checkpoint_lineage(params, repo, encoded_path, encoded_store_keys(encoded_path), train_report,
-                                manifest_path=manifest_path)
-    record["kind"] = "export"
-    record["inputs"]["lora"] = file_input(repo, lora_path)
-    record["trained_lora"] = trained_lineage
-    return record
+    """The lineage record of an export: the inputs as they are now (manifest, encoded table, its store keys,
+    the trained LoRA's hash), and the record the train stage stamped on that LoRA (None when it carries none)."""
+    inputs = {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
+              "store_keys": store_keys_record(encoded_store_keys(encoded_path)),
+              "lora": file_input(repo, lora_path)}
+    return {**_lineage("export", "export", params, repo, inputs, train_report, manifest_path),
+            "trained_lora": trained_lineage}
+
+
+def _lineage(kind: str, stage: str, params: Params, repo: Path, inputs: dict, train_report: dict | None,
+             manifest_path: Path) -> dict:
+    """The record of what `stage` builds from `inputs`, with everything around them (see the module doc)."""
+    lock, omitted = upstream_lock_entries(repo, stage, inputs)
+    return {
+        "lineage_version": LINEAGE_VERSION,
+        "kind": kind,
+        "params": redact_obj(to_dict(params)),  # a remote URL's password never enters a record
+        "inputs": {**inputs, "datasets": dataset_inputs(
+            params, manifest_path if manifest_path.is_absolute() else repo / manifest_path)},
+        "base_model": {"family": params.model.family, "path": params.model.path, "dtype": params.model.dtype,
+                       "weights": base_weights(model_dir(params, repo)), "revision": base_revision(params, repo)},
+        "dvc_lock": redact_obj(lock),
+        **({"dvc_lock_omitted": omitted} if omitted else {}),
+        "git": git_state(repo),
+        "environment": environment(),
+        "training": training_record(params, train_report),
+    }
 
 
 def flatten(obj: object, prefix: str = "") -> dict[str, object]:

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffusion_pipe.hashing import hash_file
-from diffusion_pipe.lineage.record import STORE_FAMILIES, base_weights, encoded_store_keys, store_keys_record
+from diffusion_pipe.lineage.record import (
+    STORE_FAMILIES,
+    UPSTREAM_STAGES,
+    base_weights,
+    encoded_store_keys,
+    lock_mismatches,
+    md5_file,
+    store_keys_record,
+)
 from diffusion_pipe.lineage.show import short_hash
 
 MAX_KEYS_SHOWN = 10
@@ -94,9 +102,47 @@ def _check_store(keys: dict[str, list[str]], store) -> list[Check]:
     return checks
 
 
+def _check_datasets(record: dict, repo: Path) -> list[Check]:
+    """Each dataset of the record's params scanned again and compared with what the record holds; the changed
+    files named (see `data.py`)."""
+    from diffusion_pipe.lineage.data import dataset_drift
+
+    checks = []
+    for i, ds in enumerate(((record.get("params") or {}).get("scan") or {}).get("datasets") or []):
+        ok, detail = dataset_drift(record, repo, i)
+        checks.append(Check(f"dataset {ds['path']}", ok, detail if ok else
+                            f"{detail}; re-run `dvc repro` to train on them, or restore the files"))
+    return checks
+
+
+def _check_dvc_lock(record: dict, repo: Path) -> Check | None:
+    """The recorded dvc.lock entries describe this record's inputs: only stages upstream of the one that wrote
+    it, and each dep or out at an input's path carries that input's md5."""
+    entries = record.get("dvc_lock") or {}
+    if not entries:
+        return None
+    writer = "train" if record.get("kind") == "checkpoint" else "export"
+    problems = [f"stage '{s}' is not upstream of this {record.get('kind')} (its entry was left by an earlier run)"
+                for s in sorted(entries) if s not in UPSTREAM_STAGES[writer]]
+    inputs = {}
+    for name, recorded in (record.get("inputs") or {}).items():
+        if isinstance(recorded, dict) and "path" in recorded and "xxh3_128" in recorded:
+            path = repo / recorded["path"]
+            md5 = recorded.get("md5") or (md5_file(path) if path.is_file() and hash_file(path) ==
+                                          recorded["xxh3_128"] else None)
+            inputs[name] = {"path": recorded["path"], "md5": md5}
+    problems += [f"stage '{s}': {why}" for s, why in lock_mismatches(entries, inputs).items()]
+    if problems:
+        return Check("dvc.lock entries", False, "; ".join(problems) + ": the record describes other inputs than "
+                     "this artifact's; re-run `dvc repro export` to write a record of its own")
+    return Check("dvc.lock entries", True, f"{', '.join(sorted(entries))} describe the recorded inputs")
+
+
 def verify_lineage(record: dict, repo: Path, store=None, lineage_dir: Path | None = None) -> list[Check]:
     """Check a lineage record against the repository and the store, item by item.
 
+    Each dataset is scanned again (read-only) and compared with the record, naming the changed files (see
+    `data.py`); the recorded dvc.lock entries must describe the recorded inputs, not other files.
     The manifest, encoded table and trained LoRA are re-hashed at their recorded paths under `repo`; the store
     keys of the repository's encoded table are hashed and each looked up in `store` (default
     `Store.default()`), its packs fully re-hashed (nothing is quarantined); the base model's components are
@@ -107,7 +153,9 @@ def verify_lineage(record: dict, repo: Path, store=None, lineage_dir: Path | Non
     repo = Path(repo)
     inputs = record.get("inputs", {})
     fix = "re-run `dvc repro` to retrain on the current state, or check out the commit the lineage records"
-    checks = [c for c in (_check_file(repo, "manifest", inputs.get("manifest"), fix),
+    checks = _check_datasets(record, repo)
+    checks += [c for c in (_check_dvc_lock(record, repo),
+                          _check_file(repo, "manifest", inputs.get("manifest"), fix),
                           _check_file(repo, "encoded table", inputs.get("encoded"), fix),
                           _check_file(repo, "trained LoRA", inputs.get("lora"), fix)) if c is not None]
     encoded = inputs.get("encoded")

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from diffusion_pipe.cli import main
 from diffusion_pipe.lineage.diff import diff_lineage
-from diffusion_pipe.lineage.record import METADATA_KEY, read_lineage
+from diffusion_pipe.lineage.record import METADATA_KEY, md5_file, read_lineage
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.models.flux import FluxAdapter
 
@@ -58,12 +58,18 @@ def test_record_holds_everything_the_issue_lists(pipeline):
     record = json.loads((repo / "artifacts/shapes-lora.lineage.json").read_text())
     assert record["kind"] == "export" and record["params"]["train"]["steps"] == 6
     assert record["inputs"]["manifest"] == {"path": "data/manifest.parquet",
-                                            "xxh3_128": hash_file(repo / "data/manifest.parquet")}
+                                            "xxh3_128": hash_file(repo / "data/manifest.parquet"),
+                                            "md5": md5_file(repo / "data/manifest.parquet")}
     assert record["inputs"]["encoded"]["xxh3_128"] == hash_file(repo / "data/encoded.parquet")
     assert record["inputs"]["lora"]["xxh3_128"] == hash_file(repo / "runs/train/lora.safetensors")
     assert record["inputs"]["store_keys"]["latent"] == 36 and record["inputs"]["store_keys"]["text"] == 36
     assert set(record["base_model"]["weights"]) == {"transformer", "vae", "text_encoder", "text_encoder_2"}
-    assert set(record["dvc_lock"]) >= {"scan", "encode", "train"}
+    # dvc repro wrote each upstream stage's entry before export ran; the export's own entry is never recorded
+    assert set(record["dvc_lock"]) == {"scan", "encode", "train"} and "dvc_lock_omitted" not in record
+    train_outs = {o["path"]: o["md5"] for o in record["dvc_lock"]["train"]["outs"]}
+    assert train_outs["runs/train/lora.safetensors"] == record["inputs"]["lora"]["md5"]
+    shapes = record["inputs"]["datasets"]["shapes"]
+    assert shapes["path"] == "examples/flux-tiny/data" and shapes["items"] == 36
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     assert record["git"]["commit"] == head
     env = record["environment"]
@@ -86,6 +92,8 @@ def test_fresh_export_verifies(pipeline, artifact):
     assert result.exit_code == 0, result.output
     assert "DRIFT" not in result.output and "items match" in result.output
     assert "ok     store latent entries: 36 present and intact" in result.output
+    assert "ok     dataset examples/flux-tiny/data: 36 items match\n" in result.output
+    assert "ok     dvc.lock entries: encode, scan, train describe the recorded inputs" in result.output
 
 
 def test_prints_readably_and_as_json(pipeline):
@@ -122,28 +130,46 @@ def stage(name: str, repo: Path, store: Path, monkeypatch) -> None:
     assert result.exit_code == 0, result.output
 
 
-def test_caption_edit_is_manifest_drift_and_shows_in_diff(pipeline, tmp_path, monkeypatch):
+def test_caption_edit_is_named_before_and_after_the_scan_and_leads_the_diff(pipeline, tmp_path, monkeypatch):
     repo, store = pipeline
     copy = copy_repo(repo, tmp_path / "repo")
     caption = copy / "examples/flux-tiny/data/000_red_circle_on_white.txt"
     caption.write_text("a crimson circle on a white background")
+    named = ("DRIFT  dataset examples/flux-tiny/data: 1 change(s) since this was trained: "
+             "000_red_circle_on_white.txt: caption 'a red circle on a white background' -> "
+             "'a crimson circle on a white background'")
+    result = lineage_cli(["--verify", "--repo", copy, copy / "artifacts/shapes-lora.comfyui.safetensors"], store)
+    assert result.exit_code == 1 and named in result.output, result.output
+    assert "ok     manifest data/manifest.parquet" in result.output  # the scan has not re-run yet
+    assert "1 of " in result.output
+
+    # after the scan, the recorded manifest is read back from DVC's cache to name the same file
     stage("scan", copy, store, monkeypatch)
     result = lineage_cli(["--verify", "--repo", copy, copy / "artifacts/shapes-lora.comfyui.safetensors"], store)
-    assert result.exit_code == 1
-    assert "DRIFT  manifest data/manifest.parquet: " in result.output
+    assert named in result.output and "DRIFT  manifest data/manifest.parquet: " in result.output
     assert "ok     encoded table data/encoded.parquet" in result.output  # encode has not re-run yet
-    assert "1 of " in result.output and "items drifted" in result.output
+    assert "2 of " in result.output
 
-    # a second real export from the changed repository, with a changed param: --diff names both
+    # a second real export from the changed repository, with a changed param: --diff leads with both causes
     params = copy / "params.yaml"
     params.write_text(params.read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e-3"))
     stage("export", copy, store, monkeypatch)
+    second = read_lineage(copy / "artifacts/shapes-lora.lineage.json")
+    assert "export" not in second["dvc_lock"] and set(second["dvc_lock_omitted"]) == {"scan", "encode"}
     result = lineage_cli([repo / "artifacts/shapes-lora.lineage.json", "--diff",
                           copy / "artifacts/shapes-lora.lineage.json"], store)
     assert result.exit_code == 1
-    assert "params.train.learning_rate: 0.002 -> 0.001" in result.output
-    assert "inputs.manifest.xxh3_128: " in result.output
+    summary = result.output.splitlines()[2]
+    # the second export ran from a tree with an uncommitted caption edit: git.dirty is a code difference
+    assert "differences: params 1, captions 1, code 1; derived: " in summary, summary
+    groups = [line for line in result.output.splitlines() if line and not line.startswith((" ", "---", "+++"))][1:]
+    assert groups[:3] == ["params (1)", "captions (1)", "code (1)"], groups
+    assert "  git.dirty: false -> true" in result.output
+    assert "  dvc_lock.scan: recorded (" in result.output  # the second export's record left it out
+    assert "  params.train.learning_rate: 0.002 -> 0.001" in result.output
+    assert "  inputs.manifest.xxh3_128: " in result.output
     assert "inputs.encoded" not in result.output and "base_model" not in result.output
+    assert "dvc_lock.export" not in result.output
 
 
 def test_swapped_base_weights_name_the_component(pipeline, tmp_path):
