@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -23,6 +24,39 @@ T = TypeVar("T")
 
 class ConfigError(UserError):
     """A param is missing, unknown or of the wrong type; the message names it and says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric param may take: `lo` to `hi` (None: unbounded), each end closed unless marked open.
+
+    A params class lists one per numeric field in its `RANGES` class variable; `from_dict` checks them (every item
+    of a tuple field) at load, before the class's own checks, so a bad value fails at once with the key's name
+    instead of minutes later inside training.
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return False
+        return not (self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)))
+
+    def __str__(self) -> str:
+        lo = "(-inf" if self.lo is None else ("(" if self.lo_open else "[") + f"{self.lo:g}"
+        hi = "inf)" if self.hi is None else f"{self.hi:g}" + (")" if self.hi_open else "]")
+        return f"{lo}, {hi}"
+
+
+def _check_range(rule: Range, value: Any, where: str) -> None:
+    items = value if isinstance(value, tuple) else (value,)
+    for i, v in enumerate(items):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in rule:
+            at = f"{where}[{i}]" if isinstance(value, tuple) else where
+            raise ConfigError(f"{at}: {v:g} is out of range {rule}")
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -95,6 +129,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: got {value!r}, expected float (a number such as 1.0e-4)")
+        if not math.isfinite(value):  # YAML's .nan and .inf: no param means either
+            raise ConfigError(f"{where}: got {value!r}, expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -114,11 +150,14 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
         if key not in fields:
             raise ConfigError(f"{where}.{key}: unknown key{_closest(str(key), fields)}")
     hints = typing.get_type_hints(cls)
+    ranges: dict[str, Range] = getattr(cls, "RANGES", {})
     kwargs = {}
     for name, field in fields.items():
         key = f"{where}.{name}"
         if name in data:
             kwargs[name] = _coerce(hints[name], data[name], key)
+            if name in ranges:
+                _check_range(ranges[name], kwargs[name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{key}: required key is missing; add it to params.yaml")
     try:

@@ -70,7 +70,7 @@ def test_missing_section_and_required_key(tmp_path):
 
 
 def test_value_validation_names_param(tmp_path):
-    with pytest.raises(ConfigError, match=r"pipeline_stages must be >= 1"):
+    with pytest.raises(ConfigError, match=r"train\.pipeline_stages: 0 is out of range \[1, inf\)"):
         load_params(write(tmp_path, "train: {pipeline_stages: 0}\n"))
 
 

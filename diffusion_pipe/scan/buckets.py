@@ -103,3 +103,14 @@ def item_buckets(
     if not labels:
         return (), "too_small"
     return tuple(labels), ""
+
+
+def rounding_note(res: int, step: int, layout: Sequence[Bucket]) -> str:
+    """What a resolution that is not a multiple of `step` turns into ('' when it is one): its buckets have
+    sides that are multiples of `step`, so a square item trains at the square bucket below, not at res x res."""
+    if res % step == 0 or not layout:
+        return ""
+    w, h = choose_bucket(1, 1, layout) or layout[0]
+    return (f"resolution {res} is not a multiple of bucket_step {step}: bucket sides are rounded to multiples of "
+            f"{step}, so square items train at {w}x{h}; use a multiple of {step} (e.g. {res // step * step} or "
+            f"{(res // step + 1) * step}) to choose the size yourself")

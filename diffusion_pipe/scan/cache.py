@@ -2,7 +2,7 @@
 
 It lives outside DVC (`.diffusion-pipe/scan-cache.parquet`), so a rescan hashes and decodes only the files whose
 stat key changed. It is only ever an optimisation: a missing, unreadable or outdated cache file (other
-`CACHE_VERSION`, other `max_image_pixels`) is ignored and rebuilt. Results that depend on the environment
+`CACHE_VERSION`, other probe limits) is ignored and rebuilt. Results that depend on the environment
 rather than on the file's bytes ('unreadable') are never cached: a chmod does not change the stat key.
 """
 
@@ -35,8 +35,8 @@ _SCHEMA = pa.schema([
 ])
 
 
-def _meta(max_image_pixels: int) -> bytes:
-    return json.dumps({"version": CACHE_VERSION, "max_image_pixels": max_image_pixels}, sort_keys=True).encode()
+def _meta(limits: dict[str, int]) -> bytes:
+    return json.dumps({"version": CACHE_VERSION, **limits}, sort_keys=True).encode()
 
 
 # Reasons that depend on permissions rather than on the file's bytes: a chmod leaves the stat key unchanged.
@@ -48,7 +48,7 @@ def cacheable(result: Probe | CaptionRead) -> bool:
     return result.reason not in ENVIRONMENT_REASONS
 
 
-def load_cache(path: Path | None, max_image_pixels: int) -> dict[CacheKey, CacheEntry]:
+def load_cache(path: Path | None, limits: dict[str, int]) -> dict[CacheKey, CacheEntry]:
     """Read the cache; {} when there is none or it was written under other settings or another version."""
     if path is None or not path.is_file():
         return {}
@@ -57,7 +57,7 @@ def load_cache(path: Path | None, max_image_pixels: int) -> dict[CacheKey, Cache
         table = pq.ParquetFile(path).read()
     except Exception:  # a damaged private cache is rebuilt, never fatal
         return {}
-    if (table.schema.metadata or {}).get(_META_KEY) != _meta(max_image_pixels) or table.schema.remove_metadata() != _SCHEMA:
+    if (table.schema.metadata or {}).get(_META_KEY) != _meta(limits) or table.schema.remove_metadata() != _SCHEMA:
         return {}
     c = {name: table.column(name).to_pylist() for name in _SCHEMA.names}
     out: dict[CacheKey, CacheEntry] = {}
@@ -72,7 +72,7 @@ def load_cache(path: Path | None, max_image_pixels: int) -> dict[CacheKey, Cache
     return out
 
 
-def save_cache(path: Path, entries: dict[CacheKey, CacheEntry], max_image_pixels: int) -> None:
+def save_cache(path: Path, entries: dict[CacheKey, CacheEntry], limits: dict[str, int]) -> None:
     """Atomically replace the cache with `entries` (only the files present now, so it never grows stale)."""
     keys = sorted(k for k, (_, result) in entries.items() if cacheable(result))
     stats = [entries[k][0] for k in keys]
@@ -89,7 +89,7 @@ def save_cache(path: Path, entries: dict[CacheKey, CacheEntry], max_image_pixels
         "fps": [p.fps for p in probes], "reason": [r.reason for r in results], "detail": [r.detail for r in results],
         "text": [r.text if isinstance(r, CaptionRead) else "" for r in results],
     }
-    schema = _SCHEMA.with_metadata({_META_KEY: _meta(max_image_pixels)})
+    schema = _SCHEMA.with_metadata({_META_KEY: _meta(limits)})
     sink = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pydict(cols, schema=schema), sink)
     write_bytes_atomic(path, sink.getvalue().to_pybytes())

@@ -159,7 +159,7 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             fps=probe.fps, caption=cap.caption, caption_hash=hash_bytes(cap.caption.encode("utf-8")),
             caption_source=cap.source, buckets=labels, split=split_for(probe.content_hash, p.eval_fraction),
             repeats=p.repeats, status="excluded" if reason else "ok", reason=reason,
-            detail=probe.detail if probe.reason else "", caption_missing=cap.missing and not probe.reason,
+            detail=probe.detail if probe.reason else cap.detail, caption_missing=cap.missing and not probe.reason,
         ))
     return mark_duplicates(sorted(rows, key=lambda r: r.path))
 

@@ -1,5 +1,6 @@
 """Probing one media file: content hash, and width/height/frames/fps measured by decoding it.
 
+Still images are checked without decoding their pixels where the format allows (see `_check_whole`).
 Every failure becomes a `Probe` with a `reason` ('corrupt', 'too_large', 'unreadable', ...) and a `detail`
 for the report; probing never raises for bad input, so one bad file cannot stop a scan of 100k.
 `probe_batch` is the unit of work sent to the process pool.
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import PurePath
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from diffusion_pipe.hashing import hash_bytes, hash_file
 from diffusion_pipe.scan.captions import CaptionRead, read_caption
@@ -84,6 +85,27 @@ def _frame_ms(duration: object) -> float:
     return _DEFAULT_FRAME_MS if ms <= _MIN_FRAME_MS else ms
 
 
+def _check_whole(img: Any, src: BinaryIO | str) -> None:
+    """Read all of a still image's data, decoding as few pixels as its format allows; raise if it is damaged.
+
+    A truncated or damaged file must fail in the scan, not in encode, but a 169-megapixel PNG must not be
+    decoded twice (here and in encode): a PNG's chunk checksums cover every byte of its image data, and a JPEG
+    decodes its whole stream at 1/8 scale (1/64 of the pixels). Other formats are decoded.
+    """
+    if img.format == "PNG":
+        from PIL import Image
+
+        if not isinstance(src, str):
+            src.seek(0)
+        with Image.open(src) as fresh:  # verify() must come first after open, and n_frames has read ahead
+            fresh.verify()
+    elif img.format == "JPEG":
+        img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
+        img.load()
+    else:
+        img.load()
+
+
 def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int) -> Probe:
     from PIL import Image
 
@@ -102,10 +124,10 @@ def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int) -> Probe:
                     total_ms += _frame_ms(img.info.get("duration"))
                 return _replace(base, media="video", width=width, height=height, num_frames=n_frames,
                                 fps=n_frames * 1000.0 / total_ms)
-            img.load()
             # EXIF orientations 5-8 rotate by 90 degrees: the picture as shown is height x width.
             if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):
                 width, height = height, width
+            _check_whole(img, src)
             return _replace(base, media="image", width=width, height=height, num_frames=1, fps=0.0)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         return _replace(base, reason="too_large", detail=str(exc))
@@ -202,9 +224,11 @@ class Task:
     path: str  # absolute, or relative to the working directory
 
 
-def probe_batch(tasks: list[Task], max_image_pixels: int) -> list[Probe | CaptionRead]:
+def probe_batch(tasks: list[Task], max_image_pixels: int, max_caption_bytes: int | None = None
+                ) -> list[Probe | CaptionRead]:
     """Probe a batch of files in order; the unit of work of the scan's process pool."""
     return [
-        probe_media(t.path, max_image_pixels) if t.kind == "media" else read_caption(t.path) for t in tasks
+        probe_media(t.path, max_image_pixels) if t.kind == "media" else read_caption(t.path, max_caption_bytes)
+        for t in tasks
     ]
 

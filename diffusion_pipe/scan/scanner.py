@@ -14,7 +14,7 @@ from typing import Any
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.params import ScanParams
-from diffusion_pipe.scan.buckets import bucket_layout
+from diffusion_pipe.scan.buckets import bucket_layout, rounding_note
 from diffusion_pipe.scan.cache import ENVIRONMENT_REASONS, CacheEntry, CacheKey, load_cache, save_cache
 from diffusion_pipe.scan.captions import CaptionRead
 from diffusion_pipe.scan.errors import ScanError
@@ -54,7 +54,13 @@ def _workers(params: ScanParams) -> int:
     return params.workers or os.cpu_count() or 1
 
 
-def probe_all(tasks: Sequence[Task], workers: int, max_image_pixels: int, progress: bool) -> list[Probe | CaptionRead]:
+def _limits(params: ScanParams) -> dict[str, int]:
+    """The scan params that decide a probe's result: the stat cache is valid only under the same ones."""
+    return {"max_image_pixels": params.image_pixel_limit, "max_caption_bytes": params.max_caption_bytes}
+
+
+def probe_all(tasks: Sequence[Task], workers: int, max_image_pixels: int, progress: bool,
+              max_caption_bytes: int | None = None) -> list[Probe | CaptionRead]:
     """Probe `tasks` (in order) across `workers` processes, with a progress bar on stderr."""
     from tqdm import tqdm
 
@@ -67,12 +73,13 @@ def probe_all(tasks: Sequence[Task], workers: int, max_image_pixels: int, progre
         with tqdm(total=len(tasks), desc="scan: probing", unit="file", file=sys.stderr, disable=not progress,
                   mininterval=0.5) as bar:
             for i, batch in enumerate(batches):
-                results[i] = probe_batch(batch, max_image_pixels)
+                results[i] = probe_batch(batch, max_image_pixels, max_caption_bytes)
                 bar.update(len(batch))
         return [r for batch in results for r in batch]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         # Submit everything before the progress bar starts its monitor thread: workers fork from a quiet process.
-        futures = {pool.submit(probe_batch, batch, max_image_pixels): i for i, batch in enumerate(batches)}
+        futures = {pool.submit(probe_batch, batch, max_image_pixels, max_caption_bytes): i
+                   for i, batch in enumerate(batches)}
         with tqdm(total=len(tasks), desc="scan: probing", unit="file", file=sys.stderr, disable=not progress,
                   mininterval=0.5) as bar:
             for fut in as_completed(futures):
@@ -104,7 +111,7 @@ def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing]
 
 def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing], cache_path: Path | None,
                  progress: bool, start: float) -> tuple[list[Row], dict[str, Any]]:
-    cache = load_cache(cache_path, params.max_image_pixels)
+    cache = load_cache(cache_path, _limits(params))
 
     known: dict[CacheKey, CacheEntry] = {}
     todo: list[tuple[CacheKey, Task]] = []
@@ -121,14 +128,14 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
     cached = len(known)
     stat_keys = {(spec.name, e.rel, e.kind): e.stat_key for spec, lst in zip(specs, listings) for e in lst.entries}
     workers = _workers(params)
-    probed = probe_all([t for _, t in todo], workers, params.max_image_pixels, progress)
+    probed = probe_all([t for _, t in todo], workers, params.image_pixel_limit, progress, params.max_caption_bytes)
     for (key, _), result in zip(todo, probed):
         stat_key = stat_keys[key]
         assert stat_key is not None
         known[key] = (stat_key, result)
     if cache_path is not None and (todo or known.keys() != cache.keys()):
         # Rewritten only when something changed: an unchanged rescan of 100k files writes nothing.
-        save_cache(cache_path, known, params.max_image_pixels)
+        save_cache(cache_path, known, _limits(params))
 
     by_dataset: dict[str, dict[str, Probe | CaptionRead]] = {spec.name: {} for spec in specs}
     for (name, rel, _), (_, result) in known.items():
@@ -140,6 +147,9 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
     _check_captions(rows, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
+    warnings += [f"dataset {spec.name}: {note}" for spec in specs
+                 for res, layout in zip(spec.params.resolutions, spec.layouts)
+                 if (note := rounding_note(res, params.bucket_step, layout))]
     run = {"files_probed": len(todo), "files_cached": cached, "workers": workers, "reused_last_scan": False,
            "seconds": round(time.perf_counter() - start, 3)}
     ignored = {spec.name: lst.ignored_files for spec, lst in zip(specs, listings)}

@@ -190,7 +190,7 @@ def test_non_utf8_caption_excludes_the_item(tmp_path: Path, ds: Path) -> None:
     (ds / "a.txt").write_bytes("caf\xe9".encode("latin-1"))
     rows, report, _ = run(tmp_path, params_for(ds, caption_policy="default", default_caption="x"))
     assert (rows[0]["status"], rows[0]["reason"], rows[0]["caption"]) == ("excluded", "caption_not_utf8", "")
-    assert report["excluded_examples"]["caption_not_utf8"] == ["ds/a.png"]
+    assert report["excluded_examples"]["caption_not_utf8"] == ["ds/a.png (not UTF-8: byte 3)"]  # which byte
 
 
 def test_bad_files_are_excluded_not_fatal(tmp_path: Path, ds: Path) -> None:
@@ -354,8 +354,8 @@ def test_params_validation() -> None:
         ScanParams(datasets=ds, bucket_step=0)
     with pytest.raises(ValueError, match="min_aspect and max_aspect"):
         ScanParams(datasets=ds, min_aspect=1.5)
-    with pytest.raises(ValueError, match="max_image_pixels must be > 0"):
-        ScanParams(datasets=ds, max_image_pixels=0)
+    with pytest.raises(ValueError, match="max_image_pixels must be >= 0"):
+        ScanParams(datasets=ds, max_image_pixels=-1)
     with pytest.raises(ValueError, match="workers must be >= 0"):
         ScanParams(datasets=ds, workers=-1)
     with pytest.raises(ValueError, match=r"datasets\[0\]\.resolutions: 100 has no bucket"):
