@@ -56,6 +56,23 @@ def run_stage(repo: Path, store: Path, stage: str, *args: str, env: dict[str, st
     return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
 
+def stage_in_process(name: str, store: Path, *args: str) -> None:
+    """Run stage `name`'s command in this process, in the current directory (a pipeline repo), with `store` as
+    the store: no interpreter start-up, which is most of a tiny stage's time. Not for train (it starts a
+    process group)."""
+    import importlib
+
+    saved = os.environ.get("DIFFUSION_PIPE_STORE")
+    os.environ["DIFFUSION_PIPE_STORE"] = str(store)
+    try:
+        importlib.import_module(f"stages.{name}").command.main(list(args), standalone_mode=False)
+    finally:
+        if saved is None:
+            os.environ.pop("DIFFUSION_PIPE_STORE")
+        else:
+            os.environ["DIFFUSION_PIPE_STORE"] = saved
+
+
 def git(repo: Path, *args: str) -> str:
     """Run git in `repo` (identity given per command: the global config is never touched)."""
     return subprocess.run([*GIT, *args], cwd=repo, check=True, capture_output=True, text=True).stdout

@@ -13,7 +13,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.store import Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
 from tests.conftest import free_port, make_pipeline_repo
-from tests.encode.helpers import dvc, encode_counts, git, reproduce, run_stage
+from tests.encode.helpers import dvc, encode_counts, git, reproduce, run_stage, stage_in_process
 
 FAST_TRAIN = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 0"}
 
@@ -61,15 +61,6 @@ def test_second_machine_fetches_everything_through_the_dvc_remote(server: str, r
     assert (repo / "data/encoded-b.parquet").read_bytes() == (repo / "data/encoded.parquet").read_bytes()
 
 
-def _stage_in_process(name: str, store: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
-    """Run stage `name`'s command in this process (the cwd is the repo), with `store` as the local store: no
-    interpreter start-up, so the remote round trip below stays cheap enough for the default suite."""
-    import importlib
-
-    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(store))
-    importlib.import_module(f"stages.{name}").command.main(list(args), standalone_mode=False)
-
-
 def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The sharing claim with a plain directory as the remote (the SFTP, S3 and two-clone versions above are
@@ -80,8 +71,8 @@ def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path:
     for item in sorted((repo / "examples/flux-tiny/data").iterdir())[12:]:  # six images: a cheap encode
         item.unlink()
     monkeypatch.chdir(repo)
-    _stage_in_process("scan", store_a, monkeypatch)
-    _stage_in_process("encode", store_a, monkeypatch)
+    stage_in_process("scan", store_a)
+    stage_in_process("encode", store_a)
     first = _report(repo)
     assert first["remote"] == str(remote)
     for fam in ("latent", "text"):
@@ -92,8 +83,8 @@ def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path:
         assert first[fam]["uploaded_packs"] == len(local) >= 1 and uploaded == local
         assert sorted(p.name for p in (remote / fam).glob("*.json")) == [n[:-12] + ".json" for n in local]
 
-    _stage_in_process("encode", store_b, monkeypatch, "--report", "reports/encode-b.json", "--encoded",
-                      "data/encoded-b.parquet")
+    stage_in_process("encode", store_b, "--report", "reports/encode-b.json", "--encoded",
+                     "data/encoded-b.parquet")
     second = _report(repo, "reports/encode-b.json")
     for fam in ("latent", "text"):
         assert (second[fam]["computed"], second[fam]["fetched_remote"], second[fam]["uploaded_packs"]) == (
@@ -142,7 +133,7 @@ def test_two_clones_share_encodings_through_the_dvc_remote(tmp_path: Path) -> No
     _add_dvc_remote(a, store_a, str(remote))
     git(a, "add", "-A")
     git(a, "commit", "-q", "-m", "pipeline")
-    assert reproduce(a, store_a) == ["scan", "encode", "train", "export"]
+    assert reproduce(a, store_a) == ["scan", "encode", "train", "export", "sample"]
     git(a, "add", "-A")
     git(a, "commit", "-q", "-m", "run")
     dvc(a, store_a, "push")

@@ -111,3 +111,62 @@ def test_checkpoints_by_time_and_pruning(encoded_repo, tmp_path):
     assert (run_dir / "latest").read_text().strip() == "step6"
     again = run_checked([*train_cmd(runs), "--params", str(tmp_path / "plain.yaml")], cwd=repo, env=run_env(store))
     assert json.loads((runs / "report.json").read_text())["resumed_from"] == 6, again.stderr[-2000:]
+
+
+@pytest.mark.slow  # about 40 s: two 2-process runs and a resume; the single-process tests above run by default
+def test_data_parallel_run_killed_resumes_exactly(encoded_repo, tmp_path):
+    """1 stage x 2 data-parallel ranks under torchrun (gloo), LoRA dropout on, SIGKILLed (torchrun and both
+    workers) after its first checkpoint and run again: the losses and the LoRA of a run never stopped. The ranks
+    train on different micro-batches (two bucket sizes), so their dropout RNG states differ at the checkpoint: a
+    rank that restored another rank's states would draw other masks (scripts/mutation_pass.py checks this test
+    catches it)."""
+    import os
+
+    from tests.conftest import torchrun
+
+    repo, store = encoded_repo
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    run_checked([*torchrun(2), *train_cmd(whole)[1:]], cwd=repo, env=run_env(store))
+    with open(tmp_path / "broken.log", "w") as log:
+        proc = subprocess.Popen([*torchrun(2), *train_cmd(broken)[1:]], cwd=repo, env=run_env(store), stdout=log,
+                                stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not list(broken.glob("checkpoints/*/latest")):
+            assert proc.poll() is None, (tmp_path / "broken.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        workers = _children(proc.pid)  # each in its own session: torchrun starts them with start_new_session
+        assert len(workers) == 2
+        for pid in [*workers, proc.pid]:  # a crashed node: the workers and torchrun die at once
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        for pid in workers:
+            while Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid):
+                time.sleep(0.01)
+    assert not (broken / "out" / "lora.safetensors").exists(), "the run ended before the kill; give it more steps"
+    run_checked([*torchrun(2), *train_cmd(broken)[1:]], cwd=repo, env=run_env(store))
+    report = json.loads((broken / "report.json").read_text())
+    assert 0 < report["resumed_from"] < STEPS
+    assert losses(broken) == losses(whole)
+    assert (broken / "out" / "lora.safetensors").read_bytes() == (whole / "out" / "lora.safetensors").read_bytes()
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of process `pid` (Z: exited, not yet reaped), or '' if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """The ids of the processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    return found
