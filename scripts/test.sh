@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the default test suite (slow and GPU tests excluded; add `-m slow` or `-m gpu` to run those).
+# Set up, then run the test suite as CI does: every test but the GPU ones, slow ones included. Narrow it with
+# pytest's own options, e.g. `-m "not slow and not gpu"` (the quick run a bare `pytest` does) or `-m gpu`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-python -m pytest "$@"
+python -m pytest -m "not gpu" "$@"
