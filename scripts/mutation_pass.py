@@ -49,6 +49,10 @@ STORE = "diffusion_pipe/store/store.py"
 LOOP = "diffusion_pipe/train/loop.py"
 CHECKPOINT = "diffusion_pipe/train/checkpoint.py"
 GUARDS = "diffusion_pipe/train/guards.py"
+VERIFY = "diffusion_pipe/lineage/verify.py"
+RESUME = "tests/train/test_resume.py"
+REMOTE_TESTS = ("tests/encode/test_remote.py::test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it",)
+LINEAGE_TESTS = ("tests/lineage",)
 EXPORT = "diffusion_pipe/export/lora.py"
 PLAN_TESTS = ("tests/encode/test_plan.py",)
 ORDER_TESTS = ("tests/store/test_write_order.py",)
@@ -65,14 +69,15 @@ MUTATIONS: list[Mutation] = [
     Mutation("encode-empty-bucket", ENCODE, 'latent_key(content_hash=row["content_hash"], bucket=bucket,',
              'latent_key(content_hash=row["content_hash"], bucket="",', PLAN_TESTS,
              "every bucket of an item shares one latent"),
-    Mutation("encode-text-encoders-unhashed", ENCODE, "text_key(caption=row[\"caption\"], template=\"\", "
-             "encoder_hashes=encoder_hashes,", "text_key(caption=row[\"caption\"], template=\"\", "
-             "encoder_hashes={},", PLAN_TESTS, "text keys ignore the text encoders' weights"),
+    Mutation("encode-text-encoders-unhashed", ENCODE,
+             'text_key(caption=row["caption"], template=template, encoder_hashes=encoder_hashes,',
+             'text_key(caption=row["caption"], template=template, encoder_hashes={},', PLAN_TESTS,
+             "text keys ignore the text encoders' weights"),
     Mutation("encode-never-uploads", ENCODE, "if remote is not None and encode.push:",
-             "if remote is not None and not encode.push:", ("tests/encode/test_remote.py",),
+             "if remote is not None and not encode.push:", REMOTE_TESTS,
              "encode computes but never uploads to the remote"),
     Mutation("encode-never-fetches", ENCODE, "if remote is not None and mine:", "if remote is None and mine:",
-             ("tests/encode/test_remote.py",), "encode never looks in the remote"),
+             REMOTE_TESTS, "encode never looks in the remote"),
     Mutation("keys-drop-max-length", KEYS, '"max_length": max_length,', '"max_length": 0,',
              ("tests/encode/test_keys.py",), "the text key function drops max_length"),
     Mutation("keys-drop-format-version", KEYS, '"family": "latent",\n            "format_version": FORMAT_VERSION,',
@@ -102,15 +107,15 @@ MUTATIONS: list[Mutation] = [
              "if False:", ("tests/store/test_corruption.py",), "get() returns tensors its sidecar disagrees with"),
     # resume
     Mutation("resume-rank0-rng", CHECKPOINT, 'mine = f"rank{self.dist.rank % ranks}"', 'mine = "rank0"',
-             ("tests/train/test_resume.py",), "every rank restores rank 0's RNG states"),
+             (f"{RESUME}::test_data_parallel_run_killed_resumes_exactly",), "every rank restores rank 0's RNG states"),
     Mutation("resume-no-rng", CHECKPOINT, '        torch.set_rng_state(rng[f"{mine}/cpu"])\n', "",
-             ("tests/train/test_resume.py",), "a resumed run draws from a fresh RNG"),
+             (f"{RESUME}::test_resumed_run_matches_uninterrupted",), "a resumed run draws from a fresh RNG"),
     Mutation("resume-no-hash-check", CHECKPOINT, "if hash_file(path / name) != digest:", "if False:",
              ("tests/train/test_checkpoint.py",), "a damaged checkpoint file is loaded"),
     Mutation("train-no-divergence-stop", GUARDS, "return math.isfinite(loss) and", "return True or",
              ("tests/train/test_checkpoint.py",), "a run at loss NaN trains on"),
     Mutation("resume-position-lost", LOOP, 'state["position"] = loader.position', 'state["position"] = 0',
-             ("tests/train/test_resume.py",), "a resumed run restarts the data order"),
+             (f"{RESUME}::test_resumed_run_matches_uninterrupted",), "a resumed run restarts the data order"),
     # export scale
     Mutation("export-2x-alpha", EXPORT, "scale = alpha / rank", "scale = 2 * alpha / rank", EXPORT_TESTS,
              "the export stage folds 2 x alpha"),
@@ -119,9 +124,17 @@ MUTATIONS: list[Mutation] = [
     Mutation("train-alpha-metadata", LOOP, '"lora_alpha": str(train.lora_alpha),',
              '"lora_alpha": str(train.lora_rank),', ("tests/export/test_export_stage.py",),
              "the trained LoRA records rank as its alpha"),
-    Mutation("export-comfyui-alpha", "diffusion_pipe/export/keys.py", 'f"{prefix}.alpha": torch.tensor(float(a.shape[0]))',
+    Mutation("export-comfyui-alpha", "diffusion_pipe/export/keys.py",
+             'f"{prefix}.alpha": torch.tensor(float(a.shape[0]))',
              'f"{prefix}.alpha": torch.tensor(float(2 * a.shape[0]))', ("tests/export/test_export_stage.py",),
              "ComfyUI files carry an .alpha other than the rank"),
+    # lineage verify
+    Mutation("verify-skips-lora", VERIFY, '_check_file(repo, "trained LoRA", inputs.get("lora"), fix)) if c',
+             "None) if c", LINEAGE_TESTS, "lineage --verify no longer re-hashes the trained LoRA"),
+    Mutation("verify-skips-exported-files", VERIFY, 'Check(f"exported file {name}", actual == digest,',
+             'Check(f"exported file {name}", True,', LINEAGE_TESTS, "lineage --verify accepts modified exports"),
+    Mutation("verify-skips-key-set", VERIFY, 'Check("store key set", got == want,', 'Check("store key set", True,',
+             LINEAGE_TESTS, "lineage --verify accepts a table pointing at other store entries"),
     # scan policies
     Mutation("scan-error-policy-defaults", "diffusion_pipe/scan/captions.py", '    if policy == "default":\n',
              '    if policy in ("default", "error"):\n', ("tests/scan/test_scan.py", "tests/scan/test_captions.py"),
