@@ -62,13 +62,14 @@ def make_model_dir(root: Path, shape: dict, device: str) -> Path:
 
 def make_data(store_root: Path, encoded: Path, shape: dict, n: int) -> None:
     """`n` latent and text entries in a store, and the encoded table that lists them."""
+    from diffusion_pipe.bucket_labels import bucket_label
     from diffusion_pipe.encode.encode import Sample, write_encoded_table
     from diffusion_pipe.hashing import hash_json
     from diffusion_pipe.store import Store
 
     store = Store(store_root)
     res, scale = shape["resolution"], 2 ** (shape["vae_blocks"] - 1)
-    bucket = f"{res}x{res}x1"
+    bucket = bucket_label(res, res, 1)
     samples = []
     with store.writer("latent") as lw, store.writer("text") as tw:
         for i in range(n):

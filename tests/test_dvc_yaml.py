@@ -18,7 +18,7 @@ import importlib, json, sys
 stage = sys.argv[1]
 importlib.import_module(f"stages.{stage}")
 lazy = {
-    "scan": ["diffusion_pipe.scan"],
+    "scan": ["diffusion_pipe.scan.scanner"],
     "encode": ["diffusion_pipe.encode.encode", "diffusion_pipe.store"],
     "train": ["diffusion_pipe.train.loop", "diffusion_pipe.store", "diffusion_pipe.lineage.record"],
     "export": ["diffusion_pipe.export.lora", "diffusion_pipe.export.merge", "diffusion_pipe.lineage.record"],

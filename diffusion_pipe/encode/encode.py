@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from diffusion_pipe.bucket_labels import parse_bucket
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.keys import latent_key, text_key
-from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, parse_bucket, to_unit_range
+from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, to_unit_range
 from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.models import load_adapter

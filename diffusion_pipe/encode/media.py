@@ -31,12 +31,6 @@ class MediaError(ConfigError):
     encode import the scan package, which is not among its dvc.yaml deps."""
 
 
-def parse_bucket(bucket: str) -> tuple[int, int, int]:
-    """'512x768x1' -> (width, height, frames)."""
-    w, h, f = (int(x) for x in bucket.split("x"))
-    return w, h, f
-
-
 def frames_spec(media: str, frames: int) -> dict[str, Any]:
     """The `frames` part of a latent key: the frame count, plus the selection rule for videos.
 

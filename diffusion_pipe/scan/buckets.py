@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from diffusion_pipe.bucket_labels import bucket_label
+
 Bucket = tuple[int, int]  # (width, height) in pixels
 
 
@@ -69,11 +71,6 @@ def frame_bucket(num_frames: int, frames: Sequence[int]) -> int | None:
     """The largest configured frame count <= num_frames, or None when the clip is shorter than all of them."""
     fitting = [f for f in frames if f <= num_frames]
     return max(fitting) if fitting else None
-
-
-def bucket_label(width: int, height: int, frames: int) -> str:
-    """The manifest's bucket string, e.g. '512x512x1'."""
-    return f"{width}x{height}x{frames}"
 
 
 def item_buckets(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 import torch
 
-from diffusion_pipe.encode.media import parse_bucket
+from diffusion_pipe.bucket_labels import parse_bucket
 from diffusion_pipe.errors import UserError
 from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.models.base import Adapter, Spec
