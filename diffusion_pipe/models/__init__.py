@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
+    "hunyuan_video15": "diffusion_pipe.models.hunyuan_video15:HunyuanVideo15Adapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
