@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
     "hunyuan_video15": "diffusion_pipe.models.hunyuan_video15:HunyuanVideo15Adapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
+    "lumina2": "diffusion_pipe.models.lumina2:Lumina2Adapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",

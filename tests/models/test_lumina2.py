@@ -1,0 +1,127 @@
+"""The Lumina 2 adapter: the shared contract on a tiny Lumina-Image-2.0-shaped model, the pipeline's time and
+sign conventions, and its ComfyUI export checked through diffusers' own converter of original NextDiT
+checkpoints (the names ComfyUI loads)."""
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from diffusion_pipe.export.keys import lora_modules
+from diffusion_pipe.models.lumina2 import Lumina2Adapter, lumina2_original_module
+from tests.models.contract import AdapterContract
+
+
+class TestLumina2Contract(AdapterContract):
+    adapter_cls = Lumina2Adapter
+    pipeline_cls = "Lumina2Pipeline"
+    denoiser_attr = "transformer"
+    media_sizes = ((32, 32, 1), (48, 32, 1))
+    # Lumina2Pipeline's loader reads diffusers keys; test_comfyui_delta_equals_diffusers_delta checks comfyui.
+    roundtrip_formats = ("diffusers",)
+    text_max_length = 48  # the pipeline's system prompt comes first: 16 tokens would leave no room for a caption
+
+    def unsplit_forward(self, adapter, denoiser, inputs, like):
+        return -denoiser(hidden_states=inputs[0], timestep=inputs[1], encoder_hidden_states=inputs[2],
+                         encoder_attention_mask=inputs[3].bool(), return_dict=False)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Lumina2Adapter:
+    out = tmp_path_factory.mktemp("lumina2")
+    Lumina2Adapter.build_tiny(out, seed=0)
+    return Lumina2Adapter(out, torch.float32)
+
+
+def test_time_and_sign_follow_the_pipeline(tiny):
+    """One Lumina2Pipeline step from latents x at noise level s ends at x - s * v, v being what the adapter predicts
+    for x at t = s: the adapter's time flip and negation are the pipeline's."""
+    cpu = torch.device("cpu")
+    text, negative = tiny.encode_text(tiny.load_text_encoders(cpu), ["a red circle", ""], 48)
+    denoiser = tiny.load_denoiser(cpu)
+    pipe = tiny.sample_pipeline(denoiser, tiny.load_vae(cpu))
+    seen = []
+    denoiser.register_forward_pre_hook(lambda _m, _args, kwargs: seen.append(kwargs["timestep"].clone()),
+                                       with_kwargs=True)
+    x = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    out = pipe(height=32, width=32, num_inference_steps=1, output_type="latent", latents=x.clone(),
+               **tiny.sample_inputs(text, negative, 1.0, 1.0)).images
+    (t_model,) = seen
+    sigma = 1 - t_model
+    with torch.no_grad():
+        inputs = tiny.model_inputs(x, sigma, {k: v[None] for k, v in text.items()}, 1.0)
+        for layer in tiny.pipeline_layers(denoiser):
+            inputs = layer(inputs)
+        v = tiny.prediction_to_latents(inputs, x)
+    torch.testing.assert_close(out.float(), x - sigma.view(-1, 1, 1, 1) * v, rtol=1e-4, atol=1e-5)
+
+
+_NORMS = {"attn.norm_q": "attention.q_norm", "attn.norm_k": "attention.k_norm", "norm1.norm": "attention_norm1",
+          "norm1": "attention_norm1", "norm2": "attention_norm2", "ffn_norm1": "ffn_norm1", "ffn_norm2": "ffn_norm2"}
+
+
+def original_lumina2_state_dict(base: dict[str, torch.Tensor], q_dim: int, kv_dim: int) -> dict[str, torch.Tensor]:
+    """The tiny transformer's weights in the original NextDiT layout (the inverse of diffusers' converter)."""
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for key, value in base.items():
+        module, param = key.rsplit(".", 1)
+        norm = re.fullmatch(r"((?:layers|context_refiner|noise_refiner)\.\d+)\.(attn\.norm_[qk]|norm1\.norm|norm1|"
+                            r"norm2|ffn_norm1|ffn_norm2)", module)
+        if key == "time_caption_embed.caption_embedder.0.weight":
+            out["cap_embedder.0.weight"] = value
+        elif norm:
+            out[f"{norm.group(1)}.{_NORMS[norm.group(2)]}.{param}"] = value
+        else:
+            original, part = lumina2_original_module(module)
+            if part is not None:
+                fused.setdefault(f"{original}.{param}", {})[part] = value
+            else:
+                out[f"{original}.{param}"] = value
+    for key, parts in fused.items():
+        out[key] = torch.cat([parts[i] for i in range(3)], dim=0)
+    return out
+
+
+def to_diffusers(original: dict[str, torch.Tensor], q_dim: int, kv_dim: int) -> dict[str, torch.Tensor]:
+    """diffusers' own original -> diffusers converter, its hard-coded Lumina-Image-2.0 widths set to the tiny one."""
+    import diffusers.loaders.single_file_utils as sfu
+
+    source = inspect.getsource(sfu.convert_lumina2_to_diffusers)
+    assert "q_dim = 2304" in source and "k_dim = v_dim = 768" in source
+    namespace = dict(vars(sfu))
+    exec(source.replace("q_dim = 2304", f"q_dim = {q_dim}").replace("k_dim = v_dim = 768", f"k_dim = v_dim = {kv_dim}"),
+         namespace)
+    return namespace["convert_lumina2_to_diffusers"](dict(original))
+
+
+def test_comfyui_delta_equals_diffusers_delta(tiny):
+    """Every Linear with a LoRA: merged in the original layout as ComfyUI merges (W += alpha / rank * up @ down)
+    and converted back by diffusers == merged in diffusers' layout."""
+    q_dim, kv_dim = 32, 16  # the tiny model: 2 query heads and 1 key/value head of 16
+    denoiser = tiny.load_denoiser(torch.device("cpu"))
+    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
+    original = original_lumina2_state_dict(base, q_dim, kv_dim)
+    back = to_diffusers(original, q_dim, kv_dim)
+    assert set(back) == set(base) and all(torch.equal(back[k], base[k]) for k in base)
+    gen = torch.Generator().manual_seed(0)
+    lora = {}
+    for i, module in enumerate(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)):
+        out_features, in_features = base[f"{module}.weight"].shape
+        lora[f"{module}.lora_A.weight"] = torch.randn(2 + i % 3, in_features, generator=gen)
+        lora[f"{module}.lora_B.weight"] = torch.randn(out_features, 2 + i % 3, generator=gen)
+    exported = tiny.export_lora(lora, "comfyui")
+    merged = dict(original)
+    for key in exported:
+        if key.endswith(".lora_down.weight"):
+            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+            down, up = exported[key], exported[f"diffusion_model.{module}.lora_up.weight"]
+            scale = exported[f"diffusion_model.{module}.alpha"].item() / down.shape[0]
+            merged[f"{module}.weight"] = original[f"{module}.weight"] + scale * up @ down
+    want = dict(base)
+    for module, (a, b) in lora_modules(lora).items():
+        want[f"{module}.weight"] = base[f"{module}.weight"] + b @ a
+    got = to_diffusers(merged, q_dim, kv_dim)
+    for key in base:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
