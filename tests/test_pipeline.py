@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def pipeline(tmp_path_factory):
 
 def test_first_repro_runs_every_stage_and_learns(pipeline):
     repo, _, ran = pipeline
-    assert ran == ["scan", "encode", "train", "export"]
+    assert ran == ["scan", "encode", "train", "export", "sample"]
     report = json.loads((repo / "reports/train.json").read_text())
     assert report["steps"] == 60
     assert report["eval_loss_end"] < report["eval_loss_start"]
@@ -65,7 +66,28 @@ def test_learning_rate_edit_reruns_only_train_and_export(pipeline):
     repo, store, _ = pipeline
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e-3"))
-    assert reproduce(repo, store) == ["scan", "train", "export"]
+    assert reproduce(repo, store) == ["scan", "train", "export", "sample"]
+
+
+def test_samples_at_step_0_and_the_end_are_dvc_image_plots(pipeline):
+    """train.samples: the example's prompts rendered at step 0 and at the end (step 60) in the run and in
+    reports/samples/, which `dvc plots show` serves as images beside the loss curve; the sample stage's
+    comparison (without | with the exported LoRA) too."""
+    repo, store, _ = pipeline
+    report = json.loads((repo / "reports/train.json").read_text())
+    run = repo / "runs/samples" / report["run_id"]
+    assert sorted(p.name for p in run.glob("step*.png")) == ["step000000.png", "step000060.png"]
+    assert sorted(p.name for p in (run / "step000060").iterdir()) == ["00.png", "01.png", "02.png"]
+    assert sorted(p.name for p in (repo / "reports/samples").iterdir()) == ["progress.png", "step000000.png",
+                                                                           "step000060.png"]
+    out = run_checked([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=repo, env=run_env(store))
+    shown = json.loads(out.stdout)["data"]
+    images = {name for name, plots in shown.items() if any(p.get("type") == "image" for p in plots)}
+    assert {"reports/samples/step000000.png", "reports/samples/step000060.png", "reports/samples/progress.png",
+            "reports/lora_samples/comparison.png"} <= images
+    sample = json.loads((repo / "reports/sample.json").read_text())
+    assert len(sample["prompts"]) == 3 and all(p["mean_abs_difference"] > 1 for p in sample["prompts"])
+    assert 0 < report["sample_seconds"]
 
 
 def test_exported_lora_loads_in_diffusers_and_changes_output(pipeline):
@@ -97,7 +119,8 @@ def train_cmd(params: str, nproc: int, out: Path, *extra: str) -> list[str]:
     """The train stage on `nproc` CPU processes (gloo), writing everything under `out`."""
     launch = [sys.executable, "-m", "stages.train"] if nproc == 1 else [*torchrun(nproc), "-m", "stages.train"]
     return [*launch, "--params", params, "--out", str(out), "--report", str(out / "r.json"),
-            "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs"), *extra]
+            "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs"), "--samples", str(out / "samples"),
+            *extra]
 
 
 def train_losses(repo: Path, store: Path, params: str, nproc: int, out: Path, *extra: str) -> list[float]:
@@ -132,6 +155,12 @@ def test_two_pipeline_stages_match_one(pipeline, tmp_path):
     assert one == pytest.approx(two, abs=1e-5)
     assert loss_plot(tmp_path / "p1", "grad_norm") == pytest.approx(loss_plot(tmp_path / "p2", "grad_norm"),
                                                                    rel=1e-4)
+    # Samples over 2 stages (rank 0 renders, the other stage's modules run on rank 1) equal those of 1 stage.
+    from PIL import Image
+
+    for step in ("step000000", "step000005"):
+        (a,), (b,) = (list((tmp_path / p / "runs/samples").glob(f"*/{step}.png")) for p in ("p1", "p2"))
+        assert abs(np.asarray(Image.open(a), dtype=int) - np.asarray(Image.open(b), dtype=int)).max() <= 1
 
 
 SIGNAL_STEPS = 40  # the signal comes at the first checkpoint (step 2): the run must still be going then

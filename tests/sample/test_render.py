@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.models.flux import FluxAdapter
@@ -80,3 +81,16 @@ def test_grid_lays_out_rows():
     assert out.shape == (10, 14, 3)
     assert (out[:4, :6] == 0).all() and (out[:4, 8:] == 200).all() and (out[6:, :6] == 200).all()
     assert (out[6:, 8:] == 255).all()  # a missing cell stays background
+
+
+def test_a_video_sample_writes_its_middle_frame_and_an_mp4(tmp_path):
+    import imageio.v3 as iio
+
+    from diffusion_pipe.sample.render import write_media
+
+    frames = np.stack([np.full((16, 16, 3), 40 * i, np.uint8) for i in range(5)])
+    written = write_media(tmp_path / "00", frames)
+    assert [p.name for p in written] == ["00.png", "00.mp4"]
+    assert (np.asarray(Image.open(tmp_path / "00.png")) == 80).all()  # the middle frame stands for the video
+    assert iio.imread(tmp_path / "00.mp4", plugin="pyav").shape[0] == 5
+    assert write_media(tmp_path / "01", frames[:1]) == [tmp_path / "01.png"]  # an image writes no video
