@@ -191,17 +191,20 @@ def test_shipped_params_checkpoint_every_30_minutes(path):
 
 
 def test_a_diverging_run_stops_at_its_first_non_finite_step(encoded_repo, tmp_path):
-    """Learning rate 1e6: the loss turns NaN within a few steps. The run stops there with a message naming the
-    step, the loss and the params to change, writes no LoRA, and keeps its last finite checkpoint."""
+    """Weights blown up each step (a weight decay of 1e9: each AdamW step multiplies them by about -2e5; the
+    issue's learning rate of 1e6 did the same, but params validation may refuse a rate above 1): the loss turns
+    NaN within a few steps. The run stops there with a message naming the step, the loss and the params to
+    change, writes no LoRA, and keeps its last finite checkpoint."""
     repo, store = encoded_repo
-    params = (repo / "params.yaml").read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e+6")
+    params = (repo / "params.yaml").read_text().replace("learning_rate: 2.0e-3",
+                                                        "learning_rate: 2.0e-3\n  weight_decay: 1.0e+9")
     (tmp_path / "diverge.yaml").write_text(params.replace("checkpoint_every_steps: 3", "checkpoint_every_steps: 1"))
     runs = tmp_path / "runs"
     stopped = subprocess.run(train_cmd(runs, "--params", str(tmp_path / "diverge.yaml")), cwd=repo,
                              env=run_env(store), capture_output=True, text=True)
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     assert "training diverged at step " in stopped.stderr and "loss nan" in stopped.stderr
-    assert "train.learning_rate (now 1e+06)" in stopped.stderr and "train.max_grad_norm" in stopped.stderr
+    assert "train.learning_rate (now 0.002)" in stopped.stderr and "train.max_grad_norm" in stopped.stderr
     step = int(stopped.stderr.split("training diverged at step ")[1].split(":")[0])
     assert 1 < step < STEPS
     assert not (runs / "out/lora.safetensors").exists() and not (runs / "report.json").exists()
