@@ -47,6 +47,10 @@ def format_lineage(record: dict) -> str:
         sk = inputs["store_keys"]
         rows.append(("store keys", f"{short_hash(sk['xxh3_128'])}  ({sk.get('latent')} latent, {sk.get('text')} text; "
                                    f"splits {'+'.join(sk.get('splits', []))})"))
+    for name, ds in sorted((inputs.get("datasets") or {}).items()):
+        rows.append((f"dataset {name}", f"{ds.get('path')}  ({ds.get('items')} items; media "
+                                        f"{short_hash(ds.get('media_xxh3'))}, captions "
+                                        f"{short_hash(ds.get('captions_xxh3'))})"))
     section("Inputs", rows)
     trained = record.get("trained_lora")
     if "trained_lora" in record:
@@ -55,7 +59,9 @@ def format_lineage(record: dict) -> str:
     section("Source", [("git commit", f"{git.get('commit')}{' (dirty)' if git.get('dirty') else ''}"),
                        *((f"dvc.lock {stage}", ", ".join(f"{o['path']} {o.get('md5', '')[:12]}"
                                                          for o in entry.get("outs", [])) or "-")
-                         for stage, entry in sorted(record.get("dvc_lock", {}).items()))])
+                         for stage, entry in sorted(record.get("dvc_lock", {}).items())),
+                       *((f"dvc.lock {stage}", f"left out: {why}")
+                         for stage, why in sorted((record.get("dvc_lock_omitted") or {}).items()))])
     packages = env.get("packages", {})
     section("Environment", [("python", env.get("python")), ("torch", env.get("torch")), ("cuda", env.get("cuda")),
                             ("gpu", env.get("gpu")), ("platform", env.get("platform")),

@@ -103,6 +103,7 @@ def test_prints_readably_and_as_json(pipeline):
     for section in ("Base model", "Training", "Inputs", "Source", "Environment", "Params"):
         assert f"\n{section}\n" in text
     assert "train.steps" in text and "transformer weights" in text
+    assert "  dataset shapes  examples/flux-tiny/data  (36 items; media " in text, text
     assert json.loads(lineage_cli(["--json", path], store).output) == read_lineage(path)
 
 

@@ -168,8 +168,9 @@ def _lock(stages: dict[str, dict[str, dict[str, str]]]) -> str:
     import yaml
 
     return yaml.safe_dump({"schema": "2.0", "stages": {
-        name: {"cmd": f"python -m stages.{name}", **{kind: [{"path": p, "hash": "md5", "md5": m} for p, m in items.items()]
-                                                      for kind, items in entry.items()}}
+        name: {"cmd": f"python -m stages.{name}",
+               **{kind: [{"path": p, "hash": "md5", "md5": m} for p, m in items.items()]
+                  for kind, items in entry.items()}}
         for name, entry in stages.items()}})
 
 
