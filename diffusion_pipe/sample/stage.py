@@ -24,10 +24,17 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     """Render `train.samples.prompts` with the base model, then with the diffusers-format LoRA at `lora_path`
     loaded by `load_lora_weights`; write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per
     prompt: without | with) to `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel
-    difference to `report_path`. Returns the report."""
+    difference to `report_path`. Returns the report. With no prompts, or no diffusers-format export, there is
+    nothing to render: the outputs are written empty and the reason printed, so `dvc repro` goes on."""
     prompts = params.train.samples.resolved()
-    if not prompts:
-        raise ConfigError("train.samples.prompts is empty: list the prompts to render (see the README, Samples)")
+    skip = ("train.samples.prompts is empty" if not prompts else
+            "export.formats has no 'diffusers'" if "diffusers" not in params.export.formats else None)
+    if skip:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(report_path, {"lora": None, "prompts": [], "skipped": skip})
+        print(f"sample: nothing rendered: {skip} (list prompts under train.samples and export the 'diffusers' "
+              "format to compare samples without and with the LoRA)", file=sys.stderr)
+        return {"lora": None, "prompts": [], "skipped": skip}
     if not lora_path.is_file():
         raise FileNotFoundError(f"{lora_path}: no exported LoRA there; run the export stage with 'diffusers' in "
                                 "export.formats (dvc repro export)")

@@ -12,7 +12,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
 
-from diffusion_pipe.config import ConfigError, from_dict
+from diffusion_pipe.config import from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import Params
 from diffusion_pipe.sample.stage import sample_lora
@@ -23,10 +23,13 @@ from diffusion_pipe.train.samples import TrainingSamples
 from tests.sample.helpers import SAMPLES, lora_model, model_params, store_prompts, train_a_little
 
 
+def _params_dict(model_dir, samples=SAMPLES) -> dict:
+    return {"model": {"family": "flux", "path": str(model_dir), "dtype": "float32"},
+            "scan": {"datasets": [{"path": "data"}]}, "encode": {"text_max_length": 32}, "train": {"samples": samples}}
+
+
 def _params(model_dir, samples=SAMPLES) -> Params:
-    return from_dict(Params, {"model": {"family": "flux", "path": str(model_dir), "dtype": "float32"},
-                              "scan": {"datasets": [{"path": "data"}]}, "encode": {"text_max_length": 32},
-                              "train": {"samples": samples}}, "params")
+    return from_dict(Params, _params_dict(model_dir, samples), "params")
 
 
 def _pixels(path) -> np.ndarray:
@@ -63,10 +66,19 @@ def test_sample_stage_renders_the_exported_lora_as_training_did(tiny_flux_dir, t
                       - _pixels(out / f"{i:02d}-with.png")).max() <= 1
 
 
+def test_without_prompts_or_a_diffusers_export_the_stage_renders_nothing(tiny_flux_dir, tmp_path):
+    """The stage is in every pipeline's dvc.yaml: with nothing to render it writes empty outputs, so dvc repro
+    goes on, and says why."""
+    report = sample_lora(_params(tiny_flux_dir, SAMPLES | {"prompts": []}), tmp_path / "x", tmp_path / "out",
+                         tmp_path / "r.json", tmp_path, "cpu")
+    assert report["skipped"] == "train.samples.prompts is empty"
+    assert json.loads((tmp_path / "r.json").read_text()) == report and not any((tmp_path / "out").iterdir())
+    comfy_only = from_dict(Params, {**_params_dict(tiny_flux_dir), "export": {"formats": ["comfyui"]}}, "params")
+    assert sample_lora(comfy_only, tmp_path / "x", tmp_path / "out", tmp_path / "r.json", tmp_path,
+                       "cpu")["skipped"] == "export.formats has no 'diffusers'"
+
+
 def test_sample_stage_errors_name_the_fix(tiny_flux_dir, tmp_path):
-    with pytest.raises(ConfigError, match="train.samples.prompts is empty"):
-        sample_lora(_params(tiny_flux_dir, SAMPLES | {"prompts": []}), tmp_path / "x", tmp_path, tmp_path / "r.json",
-                    tmp_path, "cpu")
     with pytest.raises(FileNotFoundError, match=r"no exported LoRA there; run the export stage with 'diffusers'"):
         sample_lora(_params(tiny_flux_dir), tmp_path / "missing.safetensors", tmp_path, tmp_path / "r.json",
                     tmp_path, "cpu")
