@@ -24,7 +24,8 @@ from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.models.base import Adapter, Spec
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
-                                             quantile_to_discrete, sample_discrete_timesteps, sample_timesteps)
+                                             min_snr_weights, offset_noise, quantile_to_discrete,
+                                             sample_discrete_timesteps, sample_timesteps)
 
 
 class DataError(UserError):
@@ -66,6 +67,16 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} holds {got}, but model "
                                 f"family '{adapter.name}' expects {want}; the encoded data does not match "
                                 "the model: re-run encode with the same model params as train")
+
+
+def steps_for_epochs(rows: list[Row], train, dp_world: int) -> int:
+    """Optimizer steps that make `train.epochs` passes over `rows` (each row `repeats` times) on `dp_world`
+    data-parallel ranks, a partial last step rounded up."""
+    per_rank = len(epoch_order(rows, train.micro_batch_size, train.seed, 0)) // dp_world
+    if per_rank == 0:
+        raise DataError(f"train.epochs: the train split has too few samples for one micro-batch of "
+                        f"{train.micro_batch_size} per data-parallel rank; lower train.micro_batch_size or add data")
+    return -(-train.epochs * per_rank // train.gradient_accumulation_steps)
 
 
 def epoch_order(rows: list[Row], micro_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -122,10 +133,15 @@ class MicroBatches:
     sequence (`Prefetcher` walks it during training)."""
 
     def __init__(self, rows: list[Row], store: Store, adapter: Adapter, *, micro_batch_size: int, seed: int,
-                 dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float) -> None:
+                 dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
+                 noise_offset: float = 0.0, min_snr_gamma: float = 0.0) -> None:
         self.rows, self.store, self.adapter = rows, store, adapter
         self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
         self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
+        self.noise_offset, self.min_snr_gamma = noise_offset, min_snr_gamma
+        if min_snr_gamma and adapter.objective() not in DDPM_OBJECTIVES:
+            raise DataError(f"train.min_snr_gamma: applies to epsilon and v prediction, but model family "
+                            f"'{adapter.name}' trains with {adapter.objective()!r}; set it to 0")
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
         if not self._rank_batches(0):
             raise DataError(
@@ -157,14 +173,22 @@ class MicroBatches:
         return self.adapter.normalise_latents(latents.float()), text
 
     def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None):
-        """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,).
-        `timesteps`, when given (eval), are fractions of the noise schedule in [0, 1], mapped to the adapter's
-        objective; otherwise they are sampled."""
+        """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,), or
+        (target, per-sample loss weights) with min-SNR weighting. `timesteps`, when given (eval), are fractions
+        of the noise schedule in [0, 1], mapped to the adapter's objective; otherwise they are sampled (and only
+        then do noise offset and loss weights apply, so eval losses stay comparable across runs)."""
         latents, text = self.load(indices)
         noise = torch.randn(latents.shape, generator=generator)
+        if self.noise_offset and timesteps is None:
+            noise = offset_noise(noise, self.noise_offset, generator)
         noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
         inputs = self.adapter.model_inputs(noised.noisy, noised.timesteps, text, self.guidance)
-        return inputs, (noised.target.to(inputs[0].dtype),)
+        target = noised.target.to(inputs[0].dtype)
+        if self.min_snr_gamma and timesteps is None:
+            weights = min_snr_weights(_alphas_cumprod(self.adapter), noised.timesteps, self.min_snr_gamma,
+                                      self.adapter.objective())
+            return inputs, (target, weights)
+        return inputs, (target,)
 
     def at(self, position: int):
         """The micro-batch at `position` of this rank's sequence: a pure function of the position."""

@@ -7,8 +7,9 @@ changed param starts a new run beside the old one, which is never deleted.
 
 from __future__ import annotations
 
-import json
 import contextlib
+import dataclasses
+import json
 import math
 import os
 import signal
@@ -27,7 +28,8 @@ from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
-from diffusion_pipe.train.data import DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows
+from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows,
+                                       steps_for_epochs)
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
@@ -119,7 +121,9 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
     With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
     An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
-    checkpoints, refused when its encoded table, model or parallel layout differ unless `force`."""
+    checkpoints, refused when its encoded table, model or parallel layout differ unless `force`.
+    `train.samples` renders under `runs_root/samples/<run id>/`; every sample step's grid goes to `samples_dir`
+    at the end (train/samples.py)."""
     import deepspeed
 
     dist = init_distributed(train.device)
@@ -133,6 +137,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         raise ConfigError(f"train.pipeline_stages: {train.pipeline_stages} does not divide the {dist.world} "
                           "processes launched; launch a multiple of pipeline_stages processes")
     dp_world = dist.world // train.pipeline_stages
+    if train.epochs:  # from here on, `steps` is what the epochs come to
+        train = dataclasses.replace(train, steps=steps_for_epochs(train_rows, train, dp_world))
     stage = pipeline_stage(dist.rank, train.pipeline_stages, dp_world)
     local = build_local_model(adapter, train.pipeline_stages, stage,
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
@@ -143,7 +149,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     scaler = LossScaler(enabled=model.dtype == "float16")
 
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        loss = mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0])
+        weights = labels[1] if len(labels) > 1 else None  # min-SNR weighting
+        loss = mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0], weights)
         return loss * scaler.scale if scaler.enabled else loss
 
     if dist.device.type == "cuda" and train.max_gpu_memory_gb:
@@ -183,7 +190,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     loader = Prefetcher(MicroBatches(
         train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
-        guidance=train.guidance), dist.device, position=state["position"])
+        guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma), dist.device,
+        position=state["position"])
     eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
                                dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
                                guidance=train.guidance) if eval_rows else None

@@ -107,6 +107,28 @@ def v_prediction(latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Te
 DDPM_OBJECTIVES = {"epsilon": epsilon_prediction, "v": v_prediction}
 
 
-def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error in float32, whatever the compute dtype."""
-    return torch.nn.functional.mse_loss(prediction.float(), target.float())
+def min_snr_weights(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float,
+                    objective: str) -> torch.Tensor:
+    """Min-SNR-gamma loss weights (Hang et al. 2023) per sample at discrete DDPM `timesteps`: min(SNR, gamma)
+    divided by SNR for epsilon prediction, by SNR + 1 for v prediction, with SNR = a / (1 - a). Noisy timesteps
+    keep weight 1; nearly clean ones, whose easy loss would otherwise dominate, are weighted down."""
+    a = alphas_cumprod[timesteps.long()]
+    snr = a / (1 - a)
+    clipped = torch.clamp(snr, max=gamma)
+    return (clipped / (snr + 1) if objective == "v" else clipped / snr).float()
+
+
+def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:
+    """`noise` plus `offset` times one normal draw per sample and channel, constant over the spatial (and frame)
+    axes: lets a model learn to change an image's overall brightness, which pure per-pixel noise hides."""
+    shape = noise.shape[:2] + (1,) * (noise.dim() - 2)
+    return noise + offset * torch.randn(shape, generator=generator, dtype=noise.dtype)
+
+
+def mse_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in float32, whatever the compute dtype; with per-sample `weights` (B,), the mean of
+    each sample's error times its weight."""
+    if weights is None:
+        return torch.nn.functional.mse_loss(prediction.float(), target.float())
+    per_sample = (prediction.float() - target.float()).square().flatten(1).mean(1)
+    return (per_sample * weights.float()).mean()

@@ -31,3 +31,41 @@ def test_sampling_is_seeded_and_in_range():
     assert torch.equal(a, b) and a.min() > 0 and a.max() < 1
     u = sample_timesteps(4096, "uniform", 1.0, torch.Generator().manual_seed(2))
     assert abs(u.mean().item() - 0.5) < 0.03
+
+
+def test_min_snr_weights_match_the_papers_formula_through_diffusers_snr():
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from diffusion_pipe.train.objectives import ddpm_alphas_cumprod, min_snr_weights
+
+    config = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+    t = torch.tensor([0, 10, 100, 400, 999])
+    snr = compute_snr(DDPMScheduler(**config), t)  # diffusers' own SNR, as its min-SNR training script uses it
+    alphas = ddpm_alphas_cumprod(config)
+    eps = min_snr_weights(alphas, t.float(), 5.0, "epsilon")
+    v = min_snr_weights(alphas, t.float(), 5.0, "v")
+    assert torch.allclose(eps, torch.clamp(snr, max=5.0) / snr, rtol=1e-3)
+    assert torch.allclose(v, torch.clamp(snr, max=5.0) / (snr + 1), rtol=1e-3)
+    assert eps[-1] == 1.0 and eps[0] < 0.01  # the noisiest step keeps its weight; nearly clean ones lose it
+
+
+def test_offset_noise_adds_one_constant_per_sample_and_channel():
+    from diffusion_pipe.train.objectives import offset_noise
+
+    noise = torch.randn(2, 3, 4, 5, 6)
+    shifted = offset_noise(noise, 0.1, torch.Generator().manual_seed(0))
+    delta = shifted - noise
+    assert torch.allclose(delta, delta[..., :1, :1, :1].expand_as(delta))  # constant over frames, height, width
+    assert delta[:, :, 0, 0, 0].abs().min() > 0 and delta.abs().max() < 0.6
+    assert len(set(delta[:, :, 0, 0, 0].flatten().tolist())) == 6  # one draw per sample and channel
+
+
+def test_weighted_mse_is_the_mean_of_weighted_per_sample_errors():
+    from diffusion_pipe.train.objectives import mse_loss
+
+    pred, target = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    per_sample = ((pred - target) ** 2).mean(dim=(1, 2, 3))
+    w = torch.tensor([1.0, 0.5, 0.0])
+    assert torch.allclose(mse_loss(pred, target, w), (per_sample * w).mean())
+    assert torch.allclose(mse_loss(pred, target, torch.ones(3)), mse_loss(pred, target))
