@@ -268,8 +268,9 @@ def main() -> None:
             results["flops_per_step"] = results.get("flops_per_step") or flops
             results[variant]["plain"] = plain
         ours = run_ours(work, params, encoded, store, variant, prof("ours"))
-        results[variant]["ours"] = {k: ours[k] for k in ("step_seconds", "max_memory_gb", "process_seconds",
-                                                         "lora_dtype")}
+        # the losses too: fp8 base weights must not change what is learned (same seed, data and steps as bf16)
+        results[variant]["ours"] = {k: ours.get(k) for k in ("step_seconds", "max_memory_gb", "process_seconds",
+                                                             "lora_dtype", "train_loss_first", "train_loss_last10")}
         print(json.dumps({variant: results[variant]}), flush=True)
     if args.profile:  # where each runner's GPU sat idle, next to the operator tables
         for trace in sorted(args.profile.glob("*.trace.json")):
