@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 # name -> "module:Class"; the module's file stem equals the name (a registry test checks it).
 REGISTRY: dict[str, str] = {
+    "auraflow": "diffusion_pipe.models.auraflow:AuraFlowAdapter",
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
