@@ -105,11 +105,15 @@ def _check_store(keys: dict[str, list[str]], store) -> list[Check]:
 def _check_datasets(record: dict, repo: Path) -> list[Check]:
     """Each dataset of the record's params scanned again and compared with what the record holds; the changed
     files named (see `data.py`)."""
+    from diffusion_pipe.errors import UserError
     from diffusion_pipe.lineage.data import dataset_drift
 
     checks = []
     for i, ds in enumerate(((record.get("params") or {}).get("scan") or {}).get("datasets") or []):
-        ok, detail = dataset_drift(record, repo, i)
+        try:
+            ok, detail = dataset_drift(record, repo, i)
+        except UserError as exc:  # recorded scan params this version no longer reads, a dataset it cannot walk
+            ok, detail = False, f"cannot scan it again with the recorded scan params: {exc}"
         checks.append(Check(f"dataset {ds['path']}", ok, detail if ok else
                             f"{detail}; re-run `dvc repro` to train on them, or restore the files"))
     return checks

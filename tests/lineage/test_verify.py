@@ -205,3 +205,12 @@ def test_verify_flags_dvc_lock_entries_of_other_inputs(small):
             "earlier run); stage 'encode': its out data/encoded.parquet has md5 00000000000000000000000000000000, "
             "the file this was built from has md5 ") in out, out
     assert out.count("DRIFT") == 1
+
+
+def test_scan_params_this_version_cannot_read_are_one_drifted_item(small):
+    repo, store, record = small
+    record["params"]["scan"]["bucket_stepp"] = 16
+    out = verify(repo, store, record)
+    assert ("DRIFT  dataset items: cannot scan it again with the recorded scan params: scan.bucket_stepp: unknown "
+            "key") in out, out
+    assert out.count("DRIFT") == 1
