@@ -28,6 +28,8 @@ for name in lazy:
     importlib.import_module(name)
 from diffusion_pipe.cli_support import user_errors
 user_errors()
+from diffusion_pipe.params import load_params
+load_params("params.yaml")  # every stage loads all of params.yaml, whose validation imports modules of its own
 if stage != "scan":
     from diffusion_pipe.models import REGISTRY, adapter_class
     for family in REGISTRY:
