@@ -256,6 +256,7 @@ class FamilyCounts:
     computed: int = 0
     by_other_workers: int = 0
     uploaded_packs: int = 0
+    quarantined_packs: int = 0  # reused packs that failed their check: moved aside, their entries recomputed
     seconds: float = 0.0  # the family's whole share of the run: lookups, transfers, model load, encoding
     encode_seconds: float = 0.0  # encoding and writing only: what `per_second` divides by
 
@@ -263,7 +264,8 @@ class FamilyCounts:
         return {
             "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
             "computed": self.computed, "by_other_workers": self.by_other_workers,
-            "uploaded_packs": self.uploaded_packs, "seconds": round(self.seconds, 3),
+            "uploaded_packs": self.uploaded_packs, "quarantined_packs": self.quarantined_packs,
+            "seconds": round(self.seconds, 3),
             "encode_seconds": round(self.encode_seconds, 3),
             "per_second": (round(self.computed / self.encode_seconds, 2)
                            if self.computed and self.encode_seconds > 0 else None),
@@ -282,6 +284,22 @@ def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
             "fix the remote (URL, credentials in .dvc/config.local or the environment, network), or set "
             "encode.remote to '' to encode with the local store only"
         ) from None  # the chained traceback would print the unredacted message
+
+
+def _check_reused(store: Store, wanted: dict[str, list[str]], counts: dict[str, FamilyCounts],
+                  several_workers: bool) -> None:
+    """Check the packs holding entries this run would reuse (Store.check_reused: size and sidecar always, the full
+    hash once per pack per machine); a failing pack is quarantined, so its entries count as missing and are
+    recomputed below, instead of surfacing minutes into training. With several workers the others have already
+    split the missing keys, so the run stops and the next one recomputes them."""
+    for fam, keys in wanted.items():
+        problems = store.check_reused(fam, keys)
+        counts[fam].quarantined_packs = len(problems)
+        for problem in problems:
+            print(f"encode: {problem}; recomputing its entries", file=sys.stderr)
+        if problems and several_workers:
+            raise StoreError(f"{len(problems)} {fam} packs failed their check and were quarantined "
+                             f"({problems[0]}): run encode again to recompute their entries")
 
 
 def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, manifest_path: Path,
@@ -313,7 +331,11 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}
+    # The lease lasts until the table naming the entries is published: gc keeps nothing it does not see named
+    # by a table or written under a live lease.
     with store.lease("encode"):
+        if workers.rank == 0:
+            _check_reused(store, wanted, counts, several_workers=workers.world > 1)
         for fam, keys in wanted.items():
             t0 = time.perf_counter()
             missing = store.missing(fam, keys)
@@ -358,7 +380,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
                 lambda fam, keys: _remote_call(remote, "download from", lambda: store.pull(remote, fam, keys)))
             for fam, c in counts.items():
                 c.by_other_workers = arrived[fam]  # still missing after rank 0's own share: the others' work
-    write_encoded_table(samples, encoded_path)
+        write_encoded_table(samples, encoded_path)
     elapsed = time.perf_counter() - started
     report = {
         "samples": len(samples),

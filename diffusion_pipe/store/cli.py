@@ -63,7 +63,7 @@ def store_group() -> None:
 @_root_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def status(root: Path | None, as_json: bool) -> None:
-    """Packs, entries and bytes per family; quarantined packs; running writers."""
+    """Packs, entries and bytes per family; quarantined packs; running writers; what killed writers left."""
     from diffusion_pipe.store import live_leases
 
     store = _store(root)
@@ -71,9 +71,10 @@ def status(root: Path | None, as_json: bool) -> None:
     quarantine = store.root / "quarantine"
     quarantined = sum(1 for p in quarantine.rglob("*.safetensors")) if quarantine.is_dir() else 0
     leases = live_leases(store.root)
+    left = store.leftovers()
     if as_json:
         click.echo(json.dumps({"root": str(store.root), "families": figures, "quarantined_packs": quarantined,
-                               "running_writers": len(leases)}, indent=2, sort_keys=True))
+                               "running_writers": len(leases), "leftovers": left}, indent=2, sort_keys=True))
         return
     click.echo(f"store {store.root}")
     for fam, f in figures.items():
@@ -84,6 +85,13 @@ def status(root: Path | None, as_json: bool) -> None:
         click.echo(f"  quarantined: {quarantined} packs in {quarantine} (their entries are recomputed by encode)")
     for lease in leases:
         click.echo(f"  running: {lease.get('purpose')} pid {lease.get('pid')} on {lease.get('host')}")
+    if left["temp_files"] or left["dead_leases"]:
+        click.echo(f"  left by stopped writers: {len(left['temp_files'])} temp files ({_size(left['temp_bytes'])}, "
+                   f"{left['temp_files_of_dead_writers']} of processes known dead), {len(left['dead_leases'])} "
+                   "leases; `diffusion-pipe store gc` removes them")
+    if left["orphan_packs"]:
+        click.echo(f"  orphan packs (no sidecar): {len(left['orphan_packs'])}; `diffusion-pipe store verify` "
+                   "adopts the whole ones and quarantines the rest")
 
 
 @store_group.command("verify")
@@ -94,11 +102,13 @@ def verify(root: Path | None, family: str | None, no_quarantine: bool) -> None:
     """Re-hash every pack against its sidecar; quarantine the bad ones (encode recomputes them). Exit 1 on any."""
     store = _store(root)
     problems = store.verify(family, quarantine=not no_quarantine)
+    bad = [p for p in problems if not p.adopted]
     for problem in problems:
-        click.echo(f"BAD  {problem}")
+        click.echo(f"{'FIXED' if problem.adopted else 'BAD '} {problem}")
     total = sum(f["packs"] for f in store.status().values())
-    click.echo(f"{total} packs verified, {len(problems)} bad")
-    if problems:
+    adopted = len(problems) - len(bad)
+    click.echo(f"{total} packs verified, {len(bad)} bad" + (f", {adopted} orphan packs adopted" if adopted else ""))
+    if bad or (no_quarantine and problems):
         sys.exit(1)
 
 
@@ -125,8 +135,9 @@ def gc(root: Path | None, repo: Path, grace: str, dry_run: bool, allow_unresolve
     report = store.gc(found.keep, grace_s, dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"kept entries of {found.tables} encoded tables ({found.commits} commits): {report.kept_packs} packs")
-    click.echo(f"{verb} {len(report.deleted_packs)} packs ({_size(report.deleted_bytes)}) and "
-               f"{len(report.deleted_temp_files)} temp/orphan files")
+    click.echo(f"{verb} {len(report.deleted_packs)} packs ({_size(report.deleted_bytes)}), "
+               f"{len(report.deleted_temp_files)} temp/orphan files and {len(report.deleted_leases)} leases of "
+               "writers that stopped")
     if report.young_packs:
         click.echo(f"spared {len(report.young_packs)} unreferenced packs younger than {grace}")
     if report.in_use_packs:

@@ -13,9 +13,12 @@ partial. Temp files start with "." and end with ".tmp"; readers never look at th
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
+import socket
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -41,7 +44,11 @@ TEMP_SUFFIX = ".tmp"
 PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 FAMILY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 # Directories under the store root that are not families.
-RESERVED_DIRS = frozenset({"quarantine", "hash-cache", "remote-index", "leases"})
+RESERVED_DIRS = frozenset({"quarantine", "hash-cache", "remote-index", "leases", "verified"})
+# What every store error that loses entries tells the user to run. Plain `dvc repro encode` does nothing here:
+# encode's inputs did not change, so DVC skips it; --force runs it, and it recomputes only what is missing.
+REPAIR_HINT = ("run `dvc repro --force --single-item encode` to recompute them (plain `dvc repro` skips encode, whose "
+               "inputs did not change; outside DVC: `python -m stages.encode`)")
 
 # safetensors header dtype codes -> torch dtype names as the sidecar records them.
 _ST_DTYPES = {
@@ -67,6 +74,60 @@ _MAX_HEADER = 256 << 20
 
 class StoreError(UserError):
     """A user-facing store problem; the message names the key, pack or path and what to do about it."""
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def temp_prefix() -> str:
+    """The name prefix of this process's temp files in the store: `.pack-<host>-<pid>-`, so the temp files of a
+    writer that was killed can be recognised (its pid is gone) and removed without waiting for a grace period."""
+    return f"{TEMP_PREFIX}{_host()}-{os.getpid()}-"
+
+
+def owner_dead(host: str, pid: int) -> bool:
+    """Whether process `pid` on `host` is known to be gone (only this host's processes can be asked)."""
+    if host != _host() and host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    return False
+
+
+def temp_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of a temp file named by `temp_prefix`; None for other names (older writers, atomic_writer)."""
+    if not (name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)):
+        return None
+    parts = name[len(TEMP_PREFIX):-len(TEMP_SUFFIX)].rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def space_error(directory: Path, needed: int, exc: BaseException) -> StoreError | None:
+    """A StoreError naming the store and the space a write needed, if `exc` is a full disk, a quota or a file
+    size limit (an OSError, or safetensors' error, which carries only the text 'os error N'); else None."""
+    code = getattr(exc, "errno", None)
+    if code is None:
+        match = re.search(r"os error (\d+)", str(exc))
+        code = int(match.group(1)) if match else None
+    if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    return _no_room(directory, needed, os.strerror(code))
+
+
+def _no_room(directory: Path, needed: int, why: str) -> StoreError:
+    free = shutil.disk_usage(directory).free
+    return StoreError(
+        f"the store at {directory.parent} cannot take a pack of {needed / 2**20:.1f} MB in {directory.name}/: {why} "
+        f"({free / 2**20:.1f} MB free there). Free space (`diffusion-pipe store gc` deletes packs no encoded table "
+        f"needs) or point DIFFUSION_PIPE_STORE at a disk with room, then run encode again"
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -236,6 +297,27 @@ def check_pack(path: Path, sidecar: Sidecar, *, full_hash: bool) -> str | None:
     return None
 
 
+def sidecar_from_pack(path: Path, family: str) -> Sidecar:
+    """Rebuild the sidecar of an orphan pack (one whose sidecar was lost) from its own bytes: its hash must be its
+    name, and its safetensors header lists every entry's tensors. Raises StoreError when it is not a whole pack."""
+    pack_id = path.name[: -len(PACK_SUFFIX)]
+    actual = hash_file(path)
+    if actual != pack_id:
+        raise StoreError(f"orphan pack {path} hashes to {actual}, not its name (truncated or damaged)")
+    try:
+        header, _ = read_header(path)
+        layouts: dict[str, dict[str, dict[str, Any]]] = {}
+        for tname in sorted(header):
+            key, _, name = tname.partition("/")
+            h = header[tname]
+            layouts.setdefault(key, {})[name] = {"shape": list(h["shape"]), "dtype": _ST_DTYPES.get(h["dtype"], h["dtype"])}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"orphan pack {path} has an unreadable header ({exc})") from None
+    if not layouts or any(not name for layout in layouts.values() for name in layout):
+        raise StoreError(f"orphan pack {path} does not hold store entries")
+    return Sidecar.build(family, pack_id, path.stat().st_size, layouts)
+
+
 class PackWriter:
     """Buffers entries of one family and publishes them as packs of about `pack_bytes` each.
 
@@ -301,7 +383,12 @@ class PackWriter:
             k: {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in entry.items()}
             for k, entry in self._buffer.items()
         }
-        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=directory)
+        # Tensor bytes plus the header (names, shapes, offsets): checked before writing, so a full disk is a clear
+        # error and not a half-written temp file.
+        needed = sum(t.numel() * t.element_size() for t in tensors.values()) + 256 * len(tensors) + 4096
+        if shutil.disk_usage(directory).free < needed:
+            raise _no_room(directory, needed, "not enough free space")
+        fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(), suffix=TEMP_SUFFIX, dir=directory)
         os.close(fd)
         tmp = Path(tmp_name)
         try:
@@ -316,13 +403,23 @@ class PackWriter:
             # Replacing an existing pack of the same id is harmless: same id, same bytes.
             os.replace(tmp, directory / (pack_id + PACK_SUFFIX))
             fsync_dir(directory)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            full = space_error(directory, needed, exc)
+            if full is not None:
+                raise full from None
             raise
         sidecar = Sidecar.build(self.family, pack_id, size, layouts)
         # Compact JSON: sidecars of thousands of keys are parsed on every store open.
-        write_bytes_atomic(directory / (pack_id + SIDECAR_SUFFIX), canonical_json(sidecar.to_json()).encode("utf-8"))
+        text = canonical_json(sidecar.to_json()).encode("utf-8")
+        try:
+            write_bytes_atomic(directory / (pack_id + SIDECAR_SUFFIX), text)
+        except OSError as exc:
+            full = space_error(directory, len(text), exc)
+            if full is not None:  # the pack stays invisible without its sidecar; `store verify` adopts it
+                raise full from None
+            raise
         self._store._register(sidecar)
         self.written += len(self._buffer)
         self.packs.append(pack_id)

@@ -26,6 +26,7 @@ from diffusion_pipe.redact import redact
 from diffusion_pipe.store.pack import (
     PACK_ID_RE,
     PACK_SUFFIX,
+    REPAIR_HINT,
     SIDECAR_SUFFIX,
     TEMP_PREFIX,
     TEMP_SUFFIX,
@@ -34,6 +35,7 @@ from diffusion_pipe.store.pack import (
     check_family,
     check_pack,
     read_sidecar,
+    temp_prefix,
 )
 
 if TYPE_CHECKING:
@@ -165,7 +167,7 @@ def pull(store: Store, remote: Remote, family: str, keys: list[str]) -> int:
         new = wanted & sidecar.entries.keys()
         if not new:
             continue
-        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=directory)
+        fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(), suffix=TEMP_SUFFIX, dir=directory)
         os.close(fd)
         tmp = Path(tmp_name)
         try:
@@ -234,7 +236,7 @@ def push(store: Store, remote: Remote, family: str, keys: list[str] | None = Non
         reason = check_pack(pack_path, sidecar, full_hash=True)
         if reason is not None:
             problem = store._reject(sidecar, reason)
-            raise StoreError(f"{problem}: not pushed; re-run the encode stage to recompute its entries")
+            raise StoreError(f"{problem}: not pushed; its entries are now missing: {REPAIR_HINT}")
         remote._publish(pack_path, family, pack_id + PACK_SUFFIX)
         remote._publish(store.sidecar_path(family, pack_id), family, pack_id + SIDECAR_SUFFIX)
         uploaded += 1

@@ -9,6 +9,7 @@ Layout under the root (an absolute path, by default ~/.cache/diffusion-pipe)::
     <root>/hash-cache/                         weights hash cache (diffusion_pipe.weights)
     <root>/remote-index/                       cached sidecars of remotes (diffusion_pipe.store.remote)
     <root>/leases/                             one file per running writer (encode): gc spares what it writes
+    <root>/verified/<family>/<packhash>        the pack's (size, mtime, inode) when its bytes last hashed right
 
 Read-path verification: when a sidecar is loaded, the pack's size is checked (one stat). On the first open of a
 pack in a process, its safetensors header is checked against the sidecar (a few KB) and, with
@@ -16,6 +17,12 @@ pack in a process, its safetensors header is checked against the sidecar (a few 
 cache, paid once per pack per process (bench/bench_store.py measures it). Every get() checks each tensor's
 shape and dtype against the sidecar. A pack failing any check is quarantined and its entries become missing,
 so encode recomputes them; get() raises a StoreError naming the pack and key unless another pack holds the key.
+
+Encode checks the packs it reuses (`check_reused`): size, header and sidecar always, and the full hash once per
+pack per machine, remembered under verified/ for as long as the pack's stat is unchanged; a pack that fails is
+quarantined and its entries are recomputed in the same run. `verify` adopts an orphan pack (sidecar lost) whose
+bytes still hash to its name, and quarantines it otherwise. `leftovers` lists what killed writers left behind
+(temp files, leases); gc removes it.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from safetensors import safe_open
 from diffusion_pipe.store.pack import (
     PACK_ID_RE,
     PACK_SUFFIX,
+    REPAIR_HINT,
     RESERVED_DIRS,
     SIDECAR_SUFFIX,
     TEMP_SUFFIX,
@@ -47,7 +55,10 @@ from diffusion_pipe.store.pack import (
     check_family,
     check_pack,
     dtype_name,
+    owner_dead,
     read_sidecar,
+    sidecar_from_pack,
+    temp_owner,
     tensor_name,
 )
 
@@ -59,6 +70,8 @@ LEASE_HEARTBEAT_S = 30.0
 LEASE_TTL_S = 600.0
 # Clock skew between machines sharing a store over a network filesystem, allowed for in lease times.
 _LEASE_SLACK_S = 60.0
+# A pack without a sidecar for this long belongs to no running writer (they write it right after the pack).
+ORPHAN_AGE_S = 60.0
 
 
 def default_root() -> Path:
@@ -76,9 +89,11 @@ class Problem:
     reason: str
     keys: tuple[str, ...] = ()
     quarantined_to: str | None = None
+    adopted: bool = False  # an orphan pack whose sidecar was rebuilt from its verified bytes: repaired, not lost
 
     def __str__(self) -> str:
         where = f"; moved to {self.quarantined_to}" if self.quarantined_to else ""
+        where += "; adopted (sidecar rebuilt from its header)" if self.adopted else ""
         return f"{self.family} pack {self.pack}: {self.reason} ({len(self.keys)} entries{where})"
 
 
@@ -89,6 +104,7 @@ class GcReport:
     deleted_packs: list[str] = field(default_factory=list)
     deleted_bytes: int = 0
     deleted_temp_files: list[str] = field(default_factory=list)
+    deleted_leases: list[str] = field(default_factory=list)  # of writers that died without releasing them
     kept_packs: int = 0
     mixed_packs: list[str] = field(default_factory=list)  # kept: hold kept and unkept keys
     unkept_entries_in_mixed_packs: int = 0
@@ -172,6 +188,8 @@ def live_leases(root: Path, now: float | None = None) -> list[dict[str, Any]]:
             if now - entry.stat().st_mtime > LEASE_TTL_S:
                 continue
             record = json.loads(Path(entry.path).read_bytes())
+            if owner_dead(str(record.get("host")), int(record.get("pid", 0))):
+                continue  # killed on this host (SIGKILL, OOM): it protects nothing, whatever its age
             out.append({**record, "file": entry.name})
         except (FileNotFoundError, json.JSONDecodeError, OSError):
             continue
@@ -338,8 +356,7 @@ class Store:
                     self._drop_handle(family, pack_id)
                 failures.append(f"{family} pack {pack_id}: deleted while in use (store gc?)")
         raise StoreError(
-            f"{family} entry {key} cannot be read: {'; '.join(failures)}. Its key is now missing: re-run the "
-            "encode stage to recompute it"
+            f"{family} entry {key} cannot be read: {'; '.join(failures)}. Its entries are now missing: {REPAIR_HINT}"
         )
 
     def _read(self, sidecar: Sidecar, key: str) -> dict[str, torch.Tensor]:
@@ -383,6 +400,49 @@ class Store:
     def _drop_handle(self, family: str, pack_id: str) -> None:
         self._handles.pop((family, pack_id), None)
 
+    def _marker(self, family: str, pack_id: str) -> Path:
+        return self.root / "verified" / family / pack_id
+
+    @staticmethod
+    def _stat_text(path: Path) -> str:
+        st = path.stat()
+        return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
+
+    def check_reused(self, family: str, keys: Iterable[str]) -> list[Problem]:
+        """Check the packs holding `keys` before their entries are reused; quarantine those that fail.
+
+        Always: size, header and sidecar (a few KB). The full hash once per pack per machine: a pack whose bytes
+        hashed right is remembered by its (size, mtime_ns, inode) under verified/, and hashed again only when its
+        stat changes (rewriting a byte changes it; `store verify` re-hashes everything regardless). Returns the
+        packs quarantined; their entries are then missing (`missing()`), for the caller to recompute.
+        """
+        index = self._index(family)
+        pack_ids = sorted({p for k in dict.fromkeys(keys) for p in index.by_key.get(k, ())})
+        problems = []
+        for pack_id, reason in sorted(index.problems.items()):  # failed the cheap check when indexed (truncated)
+            problems.append(Problem(family, pack_id, reason, (), str(self.quarantine(family, pack_id))))
+        for pack_id in pack_ids:
+            sidecar = index.sidecars.get(pack_id)
+            if sidecar is None:
+                continue
+            path, marker = self.pack_path(family, pack_id), self._marker(family, pack_id)
+            try:
+                known = marker.read_text() == self._stat_text(path)
+            except OSError:
+                known = False
+            reason = check_pack(path, sidecar, full_hash=not known)
+            if reason is not None:
+                problems.append(self._reject(sidecar, reason))
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+            elif not known:
+                from diffusion_pipe.fileio import write_bytes_atomic
+
+                with contextlib.suppress(OSError):  # a read-only store: hashed again next time, no harm
+                    write_bytes_atomic(marker, self._stat_text(path).encode())
+                self._verified.add((family, pack_id))
+        return problems
+
     def check_keys(self, family: str, keys: Iterable[str]) -> None:
         """Fail before training starts if any key is missing or its pack fails the read-path checks.
 
@@ -393,7 +453,7 @@ class Store:
         if absent:
             raise StoreError(
                 f"{len(absent)} of {len(keys)} {family} entries are not in the store at {self.root / family} "
-                f"(first: {absent[0]}): run the encode stage (or pull from the remote) first"
+                f"(first: {absent[0]}): {REPAIR_HINT}, or pull them from the store's remote"
             )
         index = self._index(family)
         for pack_id in sorted({index.by_key[k][0] for k in keys}):
@@ -403,8 +463,7 @@ class Store:
             except _CorruptPack as exc:
                 problem = self._reject(sidecar, str(exc))
                 raise StoreError(
-                    f"{problem}. Entries such as {next(iter(sidecar.entries))} are now missing: re-run the encode "
-                    "stage to recompute them"
+                    f"{problem}. Entries such as {next(iter(sidecar.entries))} are now missing: {REPAIR_HINT}"
                 ) from None
 
     # ---------------------------------------------------------------- paths
@@ -481,6 +540,7 @@ class Store:
         families = [family] if family is not None else self.families()
         problems: list[Problem] = []
         for fam in families:
+            problems += self._adopt_orphans(fam, quarantine)
             index = self._index(fam)
             with self._lock:
                 self._scan(fam, index)
@@ -496,6 +556,72 @@ class Store:
                 else:
                     problems.append(Problem(fam, pack_id, reason, tuple(sidecar.entries)))
         return problems
+
+    def _orphans(self, family: str) -> list[Path]:
+        """Packs of `family` without a sidecar (a writer died between publishing the pack and its sidecar, or the
+        sidecar was deleted): invisible, so their entries would be recomputed and the pack never reported."""
+        directory = self._family_dir(family)
+        try:
+            names = {e.name for e in os.scandir(directory)}
+        except FileNotFoundError:
+            return []
+        out, now = [], time.time()
+        for n in sorted(names):
+            if not (n.endswith(PACK_SUFFIX) and PACK_ID_RE.match(n[: -len(PACK_SUFFIX)])
+                    and n[: -len(PACK_SUFFIX)] + SIDECAR_SUFFIX not in names):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                # A running writer publishes the sidecar milliseconds after the pack: only a pack left alone
+                # for ORPHAN_AGE_S is an orphan.
+                if now - (directory / n).stat().st_mtime >= ORPHAN_AGE_S:
+                    out.append(directory / n)
+        return out
+
+    def _adopt_orphans(self, family: str, quarantine: bool) -> list[Problem]:
+        """Give each orphan pack back its sidecar when its bytes hash to its name (adopted), else quarantine it."""
+        from diffusion_pipe.fileio import write_bytes_atomic
+        from diffusion_pipe.hashing import canonical_json
+
+        out = []
+        for path in self._orphans(family):
+            pack_id = path.name[: -len(PACK_SUFFIX)]
+            try:
+                sidecar = sidecar_from_pack(path, family)
+            except StoreError as exc:
+                where = str(self.quarantine(family, pack_id)) if quarantine else None
+                out.append(Problem(family, pack_id, f"orphan pack without sidecar: {exc}", (), where))
+                continue
+            except FileNotFoundError:
+                continue
+            if quarantine:  # "report only" leaves the store as it is
+                write_bytes_atomic(self.sidecar_path(family, pack_id), canonical_json(sidecar.to_json()).encode())
+                self._register(sidecar)
+            out.append(Problem(family, pack_id, "orphan pack without sidecar", tuple(sidecar.entries),
+                               adopted=quarantine))
+        return out
+
+    def leftovers(self) -> dict[str, Any]:
+        """What writers that died left behind: temp files (count, bytes, how many of a process known dead),
+        lease files no running writer holds, and orphan packs. `gc` removes temp files and leases; `verify`
+        adopts or quarantines orphans."""
+        now = time.time()
+        live = {lease["file"] for lease in live_leases(self.root, now)}
+        temp: list[tuple[str, int, bool]] = []
+        for fam in self.families():
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self._family_dir(fam)):
+                    if entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX):
+                        owner = temp_owner(entry.name)
+                        with contextlib.suppress(FileNotFoundError):
+                            temp.append((f"{fam}/{entry.name}", entry.stat().st_size,
+                                         owner is not None and owner_dead(*owner)))
+        leases = []
+        with contextlib.suppress(FileNotFoundError):
+            leases = sorted(e.name for e in os.scandir(self.root / "leases")
+                            if e.name.endswith(".json") and not e.name.startswith(".") and e.name not in live)
+        return {"temp_files": [t[0] for t in temp], "temp_bytes": sum(t[1] for t in temp),
+                "temp_files_of_dead_writers": sum(t[2] for t in temp), "dead_leases": leases,
+                "orphan_packs": [f"{fam}/{p.name}" for fam in self.families() for p in self._orphans(fam)]}
 
     # ---------------------------------------------------------------- remote sync
 
@@ -557,13 +683,17 @@ class Store:
         now = time.time()
         leases = live_leases(self.root, now)
         report.live_leases = len(leases)
-        if not dry_run:  # lease files of writers that died without releasing them (SIGKILL, power loss)
-            live = {lease["file"] for lease in leases}
-            with contextlib.suppress(FileNotFoundError):
-                for entry in list(os.scandir(self.root / "leases")):
-                    if entry.name not in live and now - entry.stat().st_mtime > LEASE_TTL_S:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(entry.path)
+        # Lease files of writers that died without releasing them (SIGKILL, power loss): a process known dead on
+        # this host at once, any other once untouched for LEASE_TTL_S.
+        live = {lease["file"] for lease in leases}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in list(os.scandir(self.root / "leases")):
+                if entry.name in live or not entry.name.endswith(".json") or entry.name.startswith("."):
+                    continue
+                report.deleted_leases.append(entry.name)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
         # Files written since the oldest running writer started may belong to it (packs it published but has not
         # yet recorded in an encoded table, temp files it is writing): spared whatever the grace period.
         protect_from = min((float(lease["started"]) for lease in leases), default=float("inf")) - _LEASE_SLACK_S
@@ -607,6 +737,8 @@ class Store:
                         side.unlink()
                     with contextlib.suppress(FileNotFoundError):
                         pack.unlink()
+                    with contextlib.suppress(FileNotFoundError):
+                        self._marker(fam, pack_id).unlink()
                     with self._lock:
                         index.remove(pack_id)
                         self._drop_handle(fam, pack_id)
@@ -620,6 +752,13 @@ class Store:
                     and not (directory / (stem + SIDECAR_SUFFIX)).exists()
                 )
                 orphan_sidecar = stem in index.problems and entry.name.endswith(SIDECAR_SUFFIX)
+                owner = temp_owner(entry.name) if is_temp else None
+                if is_temp and owner is not None and owner_dead(*owner):  # its writer is gone: no grace needed
+                    report.deleted_temp_files.append(entry.name)
+                    if not dry_run:
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
+                    continue
                 if (is_temp or orphan_pack or orphan_sidecar) and old(path):
                     report.deleted_temp_files.append(entry.name)
                     if not dry_run:

@@ -59,7 +59,7 @@ def test_flipped_byte_detected_by_verify(store: Store) -> None:
 def test_check_keys_fails_before_training(store: Store) -> None:
     packs = _write(store)
     _flip_data_byte(store.pack_path("latent", packs[1]))
-    with pytest.raises(StoreError, match=rf"latent pack {packs[1]}: pack bytes hash .* re-run the encode stage"):
+    with pytest.raises(StoreError, match=rf"latent pack {packs[1]}: pack bytes hash .* `dvc repro --force --single-item encode`"):
         Store(store.root).check_keys("latent", ["k0", "k3"])
 
 

@@ -147,7 +147,7 @@ def _fail_at(step: str) -> Callable[[Event], None]:
             "rename sidecar": event.kind == "replace" and name.endswith(pack.SIDECAR_SUFFIX),
         }[step]
         if hit:
-            raise OSError(28, f"injected failure at {step}")
+            raise OSError(5, f"injected failure at {step}")  # EIO: a full disk (ENOSPC) is a StoreError naming the store
     return at
 
 
