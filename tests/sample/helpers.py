@@ -27,10 +27,12 @@ def model_params(model_dir: Path) -> ModelParams:
     return ModelParams(family="flux", path=str(model_dir), dtype="float32")
 
 
-def lora_model(adapter: FluxAdapter) -> LocalModel:
+def lora_model(adapter: FluxAdapter, dropout: float = 0.0) -> LocalModel:
     """The denoiser with a rank-4 LoRA (alpha = rank: scale 1), as training builds it on one stage."""
-    return build_local_model(adapter, 1, 0, targets=adapter.default_lora_targets, rank=4, alpha=4.0, dropout=0.0,
-                             seed=0)
+    local = build_local_model(adapter, 1, 0, targets=adapter.default_lora_targets, rank=4, alpha=4.0,
+                              dropout=dropout, seed=0)
+    local.denoiser.train()  # as the engine leaves it between steps
+    return local
 
 
 def train_a_little(denoiser: torch.nn.Module, seed: int = 0) -> None:

@@ -33,7 +33,7 @@ def test_samples_at_step_0_and_the_end_show_the_lora_learn(tiny_flux_dir, tmp_pa
     adapter = FluxAdapter(tiny_flux_dir, torch.float32)
     store = Store(tmp_path / "store")
     store_prompts(adapter, tiny_flux_dir, sample_params(), store)
-    local = lora_model(adapter)
+    local = lora_model(adapter, dropout=0.5)  # samples render without it, drawing no random numbers
     run_dir, publish = tmp_path / "run", tmp_path / "reports" / "samples"
     samples = _samples(adapter, tiny_flux_dir, store, local, local.layers, run_dir, publish)
 
@@ -44,6 +44,12 @@ def test_samples_at_step_0_and_the_end_show_the_lora_learn(tiny_flux_dir, tmp_pa
     train_a_little(local.denoiser)
     samples.render(4, final=True)
     assert torch.equal(torch.get_rng_state(), rng)  # a run with samples draws the same random numbers
+    dropouts = [m for name, m in local.denoiser.named_modules() if name.endswith("lora_dropout.default")]
+    assert dropouts and all(m.training for m in dropouts)  # and trains on with its LoRA dropout
+    # the same LoRA built without dropout renders the same pictures: samples run without it
+    plain = lora_model(adapter)
+    train_a_little(plain.denoiser)
+    _samples(adapter, tiny_flux_dir, store, plain, plain.layers, tmp_path / "plain").render(4)
 
     assert sorted(p.name for p in run_dir.iterdir()) == ["step000000", "step000000.png", "step000002",
                                                          "step000002.png", "step000004", "step000004.png"]
@@ -53,6 +59,7 @@ def test_samples_at_step_0_and_the_end_show_the_lora_learn(tiny_flux_dir, tmp_pa
     assert start.shape == (32, 32, 3)
     assert np.array_equal(start, middle)  # same seed, LoRA unchanged (B = 0): the very same image
     assert np.abs(end - start).mean() > 2  # the LoRA changed: same noise, a different picture
+    assert np.array_equal(end, _pixels(tmp_path / "plain" / "step000004" / "00.png"))
     assert _pixels(publish / "progress.png").shape == (2 * 32 + 2, 3 * 32 + 4, 3)  # a row per prompt, a column per step
     assert samples.seconds > 0
 
