@@ -1,9 +1,9 @@
 """`diffusion-pipe init`: put one's own dataset (and model) into params.yaml and dvc.yaml in one step.
 
-A dataset directory must be both an entry of `scan.datasets` in params.yaml and a dep of the scan stage in dvc.yaml
-(else DVC would not notice it change); a local model directory must be a dep of every stage that reads it. Editing
-two files by hand for that is where new users trip, so this does both, keeping every comment and key order of the
-two files (ruamel's round-trip mode), and writes neither unless both edits are valid.
+A dataset directory must be an entry of `scan.datasets` in params.yaml (it is not a dep in dvc.yaml: the scan stage
+runs on every repro and notices changes itself, see dvc.yaml); a local model directory must be a dep of every stage
+that reads it. Editing two files by hand for that is where new users trip, so this does both, keeping every comment
+and key order of the two files (ruamel's round-trip mode), and writes neither unless both edits are valid.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def _flow(value: Any) -> Any:
 
 def add_dataset(params: dict, dvc: dict, dataset_path: str, entry: dict[str, Any], replace: bool) -> list[str]:
     """Add `entry` (with `path: dataset_path`) to params' scan.datasets (in place of the existing ones with
-    `replace`) and the path to the scan stage's deps in `dvc`; both documents are edited in place. Returns what
-    was changed, for the user; a ConfigError when the dataset is already listed."""
+    `replace`), edited in place; `dvc` is only checked to have a scan stage (datasets are not deps: DVC fails
+    hashing a directory with a dangling symlink before the scan could report it). Returns what was changed, for
+    the user; a ConfigError when the dataset is already listed."""
     scan = params.setdefault("scan", {})
     datasets = scan.setdefault("datasets", [])
     if not replace and any(str(d.get("path")) == dataset_path for d in datasets):
@@ -98,8 +99,6 @@ def add_dataset(params: dict, dvc: dict, dataset_path: str, entry: dict[str, Any
     changes = [f"params.yaml: scan.datasets {'is now' if replace else '+='} {dataset_path}"]
     if "scan" not in dvc.get("stages", {}):
         raise ConfigError("dvc.yaml has no stage 'scan'; run `diffusion-pipe init` in a diffusion-pipe repository")
-    if _add_dep(dvc["stages"]["scan"], dataset_path):
-        changes.append(f"dvc.yaml: stages.scan.deps += {dataset_path}")
     return changes
 
 
