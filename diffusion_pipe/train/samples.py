@@ -149,12 +149,15 @@ class TrainingSamples:
 def remote_owners(adapter: Adapter, denoiser: nn.Module, num_stages: int, dp_world: int) -> dict[str, int]:
     """For rank 0's pipeline: each denoiser module that a layer of stage 1.. wraps, by name, and the global rank
     holding that stage. A layer's modules are its direct children (FluxBlock wraps a transformer block, FluxOut
-    the output norm and projection); each must be a module of the denoiser, so that rank 0 can stand in for it."""
+    the output norm and projection); each must be a module of the denoiser, so that rank 0 can stand in for it,
+    or hold parameters of the denoiser that its forward uses directly (Wan's `scale_shift_table`): those are
+    named `parameter:<name>`, and rank 0 borrows their values for the render."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from diffusion_pipe.train.build import stage_bounds
 
     names = {id(m): name for name, m in denoiser.named_modules() if name}
+    parameters = {id(p): name for name, p in denoiser.named_parameters()}
     layers = adapter.pipeline_layers(denoiser)
     topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=dp_world)
     owners: dict[str, int] = {}
@@ -162,10 +165,16 @@ def remote_owners(adapter: Adapter, denoiser: nn.Module, num_stages: int, dp_wor
         start, stop = stage_bounds(len(layers), num_stages, stage)
         for layer in layers[start:stop]:
             for child in layer.children():
-                if id(child) not in names:
-                    raise TypeError(f"{type(layer).__name__}: child {type(child).__name__} is not a module of the "
-                                    "denoiser; pipeline layers must wrap the denoiser's own modules")
-                owners[names[id(child)]] = topology.get_rank(pipe=stage, data=0)
+                rank = topology.get_rank(pipe=stage, data=0)
+                if id(child) in names:
+                    owners[names[id(child)]] = rank
+                    continue
+                held = [parameters[id(p)] for p in child.parameters() if id(p) in parameters]
+                if not held:
+                    raise TypeError(f"{type(layer).__name__}: child {type(child).__name__} is neither a module of "
+                                    "the denoiser nor holds its parameters; pipeline layers must wrap the "
+                                    "denoiser's own modules")
+                owners |= {f"parameter:{name}": rank for name in held}
     return owners
 
 
@@ -197,16 +206,28 @@ class _RemoteModule(nn.Module):
 
 @contextlib.contextmanager
 def _remote_modules(denoiser: nn.Module, owners: dict[str, int], device: torch.device) -> Iterator[None]:
-    """Rank 0's denoiser with the other stages' modules replaced by stand-ins; afterwards the originals are back
-    and every serving rank is told the render is over."""
-    originals = {name: denoiser.get_submodule(name) for name in owners}
-    for name, owner in owners.items():
-        denoiser.set_submodule(name, _RemoteModule(name, owner, device))
+    """Rank 0's denoiser with the other stages' modules replaced by stand-ins and their parameters that the
+    forward reads directly borrowed from their ranks; afterwards the originals are back and every serving rank
+    is told the render is over."""
+    modules = {name: owner for name, owner in owners.items() if not name.startswith("parameter:")}
+    originals = {name: denoiser.get_submodule(name) for name in modules}
+    borrowed: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
+        for name, owner in owners.items():
+            if name in modules:
+                denoiser.set_submodule(name, _RemoteModule(name, owner, device))
+                continue
+            path, _, leaf = name.removeprefix("parameter:").rpartition(".")
+            holder = denoiser.get_submodule(path)
+            borrowed.append((holder, leaf, holder._parameters[leaf]))
+            value = _RemoteModule(name, owner, device)()
+            holder._parameters[leaf] = nn.Parameter(value, requires_grad=False)
         yield
     finally:
         for name, module in originals.items():
             denoiser.set_submodule(name, module)
+        for holder, leaf, original in borrowed:
+            holder._parameters[leaf] = original
         for owner in sorted(set(owners.values())):
             torch.distributed.send_object_list([None], dst=owner)
 
@@ -224,7 +245,10 @@ def _serve(denoiser: nn.Module, module: nn.Module, device: torch.device) -> None
                 if message[0] is None:
                     return
                 name, args, kwargs = message[0]
-                out = denoiser.get_submodule(name)(*_tree_to(args, device), **_tree_to(kwargs, device))
+                if name.startswith("parameter:"):
+                    out = denoiser.get_parameter(name.removeprefix("parameter:")).detach()
+                else:
+                    out = denoiser.get_submodule(name)(*_tree_to(args, device), **_tree_to(kwargs, device))
                 torch.distributed.send_object_list([_tree_to(out, torch.device("cpu"))], dst=0)
     finally:
         module.train(was_training)

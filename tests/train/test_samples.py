@@ -91,3 +91,24 @@ def test_prompts_missing_from_the_store_are_refused_before_training(tiny_flux_di
                                           r"circle on a white background'\) have no text entry in the store.*dvc "
                                           r"repro encode"):
         _samples(adapter, tiny_flux_dir, Store(tmp_path / "empty"), local, local.layers, tmp_path / "run")
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_with_two_stages_rank_0_stands_in_for_the_other_stage(family):
+    """What rank 0 runs remotely with 2 stages: the second stage's blocks and output modules, and parameters its
+    forward reads directly (Wan's scale_shift_table), each by the rank holding that stage."""
+    from accelerate import init_empty_weights
+
+    from diffusion_pipe.models import adapter_class
+    from diffusion_pipe.train.samples import remote_owners
+    from tests.conftest import REPO
+
+    adapter = adapter_class(family)(REPO / f"examples/{family}-tiny/model", torch.float32)
+    cls = adapter.denoiser_class()
+    with init_empty_weights(include_buffers=False):
+        denoiser = cls.from_config(cls.load_config(adapter.denoiser_dir()))
+    owners = remote_owners(adapter, denoiser, num_stages=2, dp_world=2)
+    expected = {"flux": {"norm_out", "proj_out", "single_transformer_blocks.0", "single_transformer_blocks.1"},
+                "wan": {"blocks.1", "norm_out", "proj_out", "parameter:scale_shift_table"}}[family]
+    assert set(owners) == expected
+    assert set(owners.values()) == {2}  # stage 1 of data-parallel replica 0: global rank 2 when dp_world is 2
