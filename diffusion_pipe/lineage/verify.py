@@ -16,6 +16,7 @@ from diffusion_pipe.lineage.record import (
     store_keys_record,
 )
 from diffusion_pipe.lineage.show import short_hash
+from diffusion_pipe.store.pack import REPAIR_HINT
 
 MAX_KEYS_SHOWN = 10
 
@@ -85,8 +86,8 @@ def _check_store(keys: dict[str, list[str]], store) -> list[Check]:
         if missing:
             shown = ", ".join(missing[:MAX_KEYS_SHOWN]) + (" ..." if len(missing) > MAX_KEYS_SHOWN else "")
             checks.append(Check(item, False, f"{len(missing)} of {len(wanted)} {family} entries trained on are "
-                                             f"missing from the store at {store.root / family}: {shown}; re-run "
-                                             "`dvc repro encode` (or pull the store from its remote)"))
+                                             f"missing from the store at {store.root / family}: {shown}; "
+                                             f"{REPAIR_HINT}, or pull them from the store's remote"))
             continue
         wanted_set, bad = set(wanted), []
         for pack_id, sidecar in sorted(store.packs(family).items()):
@@ -96,7 +97,8 @@ def _check_store(keys: dict[str, list[str]], store) -> list[Check]:
                 if reason is not None:
                     bad.append(f"pack {pack_id} ({len(held)} of the entries): {reason}")
         if bad:
-            checks.append(Check(item, False, "; ".join(bad) + "; quarantine them (Store.verify()) and re-run `dvc repro encode`"))
+            checks.append(Check(item, False, "; ".join(bad) + "; quarantine them (`diffusion-pipe store verify`), then "
+                                        + REPAIR_HINT))
         else:
             checks.append(Check(item, True, f"{len(wanted)} present and intact"))
     return checks

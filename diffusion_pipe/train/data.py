@@ -23,6 +23,7 @@ from diffusion_pipe.errors import UserError
 from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.models.base import Adapter, Spec
 from diffusion_pipe.store import Store
+from diffusion_pipe.store.pack import REPAIR_HINT
 from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
                                              min_snr_weights, offset_noise, quantile_to_discrete,
                                              sample_discrete_timesteps, sample_timesteps)
@@ -60,7 +61,7 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
                                       ("text", row.text_key, text_spec)):
             if not store.contains(family, key):
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
-                                f"{store.root}; run the encode stage (dvc repro encode) or pull the store")
+                                f"{store.root}: {REPAIR_HINT}, or pull them from the store's remote")
             got = {name: (tuple(shape), dtype) for name, (shape, dtype) in store.spec(family, key).items()}
             want = {name: (tuple(shape), dtype) for name, (shape, dtype) in expected.items()}
             if got != want:

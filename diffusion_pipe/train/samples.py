@@ -36,6 +36,7 @@ from diffusion_pipe.encode.encode import caption_text_keys
 from diffusion_pipe.sample.render import (check_prompt_size, grid, png_bytes, poster, prompt_texts, render_prompts,
                                           write_media)
 from diffusion_pipe.store import Store
+from diffusion_pipe.store.pack import REPAIR_HINT
 from diffusion_pipe.train.pipeline import Dist
 from diffusion_pipe.train.swap import SwappedLayer
 
@@ -84,8 +85,8 @@ class TrainingSamples:
                 shown = ", ".join(repr(t) for t in missing[:3]) + (", ..." if len(missing) > 3 else "")
                 shown += "; '' is the empty negative prompt" if "" in missing else ""
                 raise ConfigError(f"train.samples.prompts: {len(missing)} prompt texts ({shown}) have no text entry "
-                                  f"in the store at {store.root}; run the encode stage (dvc repro encode), which "
-                                  "embeds the sample prompts like captions")
+                                  f"in the store at {store.root}; the encode stage embeds the sample prompts like "
+                                  f"captions: {REPAIR_HINT}")
             texts = {text: store.get("text", key) for text, key in keys.items()}
         owners = remote_owners(adapter, denoiser, num_stages, dp_world) if num_stages > 1 else {}
         return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,

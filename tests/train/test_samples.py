@@ -89,7 +89,7 @@ def test_prompts_missing_from_the_store_are_refused_before_training(tiny_flux_di
     local = lora_model(adapter)
     with pytest.raises(ConfigError, match=r"2 prompt texts \('a blue square on a black background', 'a red "
                                           r"circle on a white background'\) have no text entry in the store.*dvc "
-                                          r"repro encode"):
+                                          r"repro --force --single-item encode"):
         _samples(adapter, tiny_flux_dir, Store(tmp_path / "empty"), local, local.layers, tmp_path / "run")
 
 
