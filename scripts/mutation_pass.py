@@ -86,8 +86,8 @@ MUTATIONS: list[Mutation] = [
     # store writes and reads
     Mutation("store-no-fsync", PACK, "                os.fsync(fh.fileno())", "                fh.flush()",
              ORDER_TESTS, "the pack is renamed without being fsynced"),
-    Mutation("store-no-dir-fsync", PACK, "            fsync_dir(directory)\n        except BaseException:",
-             "            pass\n        except BaseException:", ORDER_TESTS,
+    Mutation("store-no-dir-fsync", PACK, "            fsync_dir(directory)\n        except BaseException",
+             "            pass\n        except BaseException", ORDER_TESTS,
              "the pack's rename is not made durable before its sidecar"),
     Mutation("store-written-in-place", PACK, "os.replace(tmp, directory / (pack_id + PACK_SUFFIX))",
              "__import__('shutil').copyfile(tmp, directory / (pack_id + PACK_SUFFIX)); tmp.unlink()",
