@@ -7,7 +7,6 @@ transformer takes no mask).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,17 +100,10 @@ class AuraFlowAdapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
     @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
-    @property
     def pixel_multiple(self) -> int:
-        return self.vae_scale * self._config("transformer")["patch_size"]
+        return self.vae_scale * self.component_config("transformer")["patch_size"]
 
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
@@ -142,15 +134,15 @@ class AuraFlowAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
+        return {"latents": ((self.component_config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"prompt_embeds": ((max_length, self._config("transformer")["joint_attention_dim"]),
+        return {"prompt_embeds": ((max_length, self.component_config("transformer")["joint_attention_dim"]),
                                   dtype_name(self.dtype))}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
@@ -184,7 +176,7 @@ class AuraFlowAdapter(Adapter):
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Patch tokens back to (B, C, H, W), as AuraFlowTransformer2DModel.forward unpatchifies them."""
         b, c, h, w = like.shape
-        p = self._config("transformer")["patch_size"]
+        p = self.component_config("transformer")["patch_size"]
         x = prediction.reshape(b, h // p, w // p, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
 

@@ -7,6 +7,7 @@ lives in `diffusion_pipe.train.objectives`, parallelism in `diffusion_pipe.train
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,17 @@ class Adapter(ABC):
         self.dtype = dtype
         self.expert = expert or None
 
+    def component_config(self, component: str) -> dict:
+        """The diffusers `config.json` of one component directory (`vae`, `transformer`, `text_encoder`, ...)."""
+        return json.loads((self.model_dir / component / "config.json").read_text())
+
     # ---- encode side -------------------------------------------------------------------------------
+    @property
+    def vae_scale(self) -> int:
+        """Pixels per latent cell along a side, as diffusers' image pipelines compute it for an AutoencoderKL:
+        one halving per down block but the last. Families whose VAE says it differently override this."""
+        return 2 ** (len(self.component_config("vae")["block_out_channels"]) - 1)
+
     @property
     @abstractmethod
     def pixel_multiple(self) -> int:

@@ -133,7 +133,7 @@ class ChromaAdapter(FluxAdapter):
 
     def text_spec(self, max_length: int) -> Spec:
         dt = dtype_name(self.dtype)
-        return {"t5": ((max_length, self._config("text_encoder")["d_model"]), dt), "t5_mask": ((max_length,), dt)}
+        return {"t5": ((max_length, self.component_config("text_encoder")["d_model"]), dt), "t5_mask": ((max_length,), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def denoiser_class(self) -> type[nn.Module]:

@@ -108,13 +108,6 @@ class FluxAdapter(Adapter):
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
-    def vae_scale(self) -> int:
-        import json
-
-        config = json.loads((self.model_dir / "vae" / "config.json").read_text())
-        return 2 ** (len(config["block_out_channels"]) - 1)
-
-    @property
     def pixel_multiple(self) -> int:
         return self.vae_scale * 2
 
@@ -154,25 +147,20 @@ class FluxAdapter(Adapter):
         return [{"t5": t5[i].contiguous().cpu(), "clip_pooled": pooled[i].contiguous().cpu()}
                 for i in range(len(captions))]
 
-    def _config(self, component: str) -> dict:
-        import json
-
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
-        channels = self._config("vae")["latent_channels"]
+        channels = self.component_config("vae")["latent_channels"]
         s = self.vae_scale
         return {"latents": ((channels, height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        t5_dim = self._config("text_encoder_2")["d_model"]
-        clip_dim = self._config("text_encoder")["hidden_size"]
+        t5_dim = self.component_config("text_encoder_2")["d_model"]
+        clip_dim = self.component_config("text_encoder")["hidden_size"]
         dt = dtype_name(self.dtype)
         return {"t5": ((max_length, t5_dim), dt), "clip_pooled": ((clip_dim,), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
@@ -238,7 +226,7 @@ class FluxAdapter(Adapter):
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            config = self._config("transformer")
+            config = self.component_config("transformer")
             inner_dim = config["num_attention_heads"] * config["attention_head_dim"]
             # diffusers builds every single block with its default mlp_ratio of 4
             return comfyui_lora(lora, inner_dim=inner_dim, mlp_dim=int(inner_dim * 4.0))

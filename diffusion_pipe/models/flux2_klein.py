@@ -8,7 +8,6 @@ statistics), so the stored latents are already in the transformer's space.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,14 +122,7 @@ class Flux2KleinAdapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
-    @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
     @property
     def pixel_multiple(self) -> int:
         return self.vae_scale * 2  # the pipeline's 2x2 latent patches
@@ -167,11 +159,11 @@ class Flux2KleinAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale * 2
-        return {"latents": ((self._config("vae")["latent_channels"] * 4, height // s, width // s),
+        return {"latents": ((self.component_config("vae")["latent_channels"] * 4, height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"prompt_embeds": ((max_length, self._config("transformer")["joint_attention_dim"]),
+        return {"prompt_embeds": ((max_length, self.component_config("transformer")["joint_attention_dim"]),
                                   dtype_name(self.dtype))}
 
     # ---- train side --------------------------------------------------------------------------------
@@ -233,7 +225,7 @@ class Flux2KleinAdapter(Adapter):
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            config = self._config("transformer")
+            config = self.component_config("transformer")
             return comfyui_lora(lora, config["num_attention_heads"] * config["attention_head_dim"])
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux2_klein' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")

@@ -99,17 +99,14 @@ class HunyuanVideoAdapter(Adapter):
         media=("image", "video"), tasks=("t2v",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     def _patch(self) -> tuple[int, int, int]:
-        c = self._config("transformer")
+        c = self.component_config("transformer")
         return (c["patch_size_t"], c["patch_size"], c["patch_size"])
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
     def pixel_multiple(self) -> int:
-        return self._config("vae")["spatial_compression_ratio"] * self._patch()[1]
+        return self.component_config("vae")["spatial_compression_ratio"] * self._patch()[1]
 
     def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLHunyuanVideo
@@ -138,7 +135,7 @@ class HunyuanVideoAdapter(Adapter):
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
         frames = pixels_BCFHW.shape[2]
-        temporal = self._config("vae")["temporal_compression_ratio"]
+        temporal = self.component_config("vae")["temporal_compression_ratio"]
         if (frames - 1) % temporal:
             raise ValueError(f"family 'hunyuan_video': {frames} frames; its VAE needs {temporal}k+1 frames "
                              f"(1, {temporal + 1}, {2 * temporal + 1}, ..): set scan.datasets[].frames to such counts")
@@ -156,21 +153,21 @@ class HunyuanVideoAdapter(Adapter):
                 for i in range(len(captions))]
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
-        c = self._config("vae")
+        c = self.component_config("vae")
         s, st = c["spatial_compression_ratio"], c["temporal_compression_ratio"]
         return {"latents": ((c["latent_channels"], (frames - 1) // st + 1, height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
         dt = dtype_name(self.dtype)
-        return {"llama": ((max_length, self._config("text_encoder")["hidden_size"]), dt),
+        return {"llama": ((max_length, self.component_config("text_encoder")["hidden_size"]), dt),
                 "llama_mask": ((max_length,), dt),
-                "clip_pooled": ((self._config("text_encoder_2")["hidden_size"],), dt)}
+                "clip_pooled": ((self.component_config("text_encoder_2")["hidden_size"],), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """x scaling_factor, the inverse of what HunyuanVideoPipeline applies before decoding."""
-        return latents * self._config("vae")["scaling_factor"]
+        return latents * self.component_config("vae")["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
         from diffusers import HunyuanVideoTransformer3DModel
@@ -240,7 +237,7 @@ class HunyuanVideoAdapter(Adapter):
             # linear1 = q, k, v and mlp). Written here in HunyuanVideo's own original spelling of them
             # (img_attn_qkv, img_mlp.fc1), which comfy/lora.py model_lora_keys_unet maps onto those modules for
             # HunyuanVideo ("diffusion-pipe lora format") and diffusers' HunyuanVideo LoRA converter reads too.
-            c = self._config("transformer")
+            c = self.component_config("transformer")
             inner = c["num_attention_heads"] * c["attention_head_dim"]
             flux_named = comfyui_lora(lora, inner_dim=inner, mlp_dim=int(inner * c["mlp_ratio"]))
             return {hunyuan_original_name(k): v for k, v in flux_named.items()}

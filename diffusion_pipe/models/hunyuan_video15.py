@@ -162,17 +162,14 @@ class HunyuanVideo15Adapter(Adapter):
         media=("image", "video"), tasks=("t2v",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     def _patch(self) -> tuple[int, int, int]:
-        c = self._config("transformer")
+        c = self.component_config("transformer")
         return (c["patch_size_t"], c["patch_size"], c["patch_size"])
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
     def pixel_multiple(self) -> int:
-        return self._config("vae")["spatial_compression_ratio"] * self._patch()[1]
+        return self.component_config("vae")["spatial_compression_ratio"] * self._patch()[1]
 
     def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLHunyuanVideo15
@@ -206,7 +203,7 @@ class HunyuanVideo15Adapter(Adapter):
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
         frames = pixels_BCFHW.shape[2]
-        temporal = self._config("vae")["temporal_compression_ratio"]
+        temporal = self.component_config("vae")["temporal_compression_ratio"]
         if (frames - 1) % temporal:
             raise ValueError(f"family 'hunyuan_video15': {frames} frames; its VAE needs {temporal}k+1 frames "
                              f"(1, {temporal + 1}, {2 * temporal + 1}, ..): set scan.datasets[].frames to such counts")
@@ -231,21 +228,21 @@ class HunyuanVideo15Adapter(Adapter):
                  "byt5": byt5[i].to(dt).cpu(), "byt5_mask": byt5_mask[i].to(dt).cpu()} for i in range(len(captions))]
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
-        c = self._config("vae")
+        c = self.component_config("vae")
         s, st = c["spatial_compression_ratio"], c["temporal_compression_ratio"]
         return {"latents": ((c["latent_channels"], (frames - 1) // st + 1, height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
         dt, byt5_len = dtype_name(self.dtype), _prompt_defaults()["byt5_max_length"]
-        return {"qwen": ((max_length, self._config("text_encoder")["hidden_size"]), dt),
+        return {"qwen": ((max_length, self.component_config("text_encoder")["hidden_size"]), dt),
                 "qwen_mask": ((max_length,), dt),
-                "byt5": ((byt5_len, self._config("text_encoder_2")["d_model"]), dt), "byt5_mask": ((byt5_len,), dt)}
+                "byt5": ((byt5_len, self.component_config("text_encoder_2")["d_model"]), dt), "byt5_mask": ((byt5_len,), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """x scaling_factor, the inverse of what HunyuanVideo15Pipeline applies before decoding."""
-        return latents * self._config("vae")["scaling_factor"]
+        return latents * self.component_config("vae")["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
         from diffusers import HunyuanVideo15Transformer3DModel
@@ -265,7 +262,7 @@ class HunyuanVideo15Adapter(Adapter):
         """Frozen despite matching target names: the text refiner's blocks (attn.to_q, ff.net.0.proj), and the
         last block's text-stream output (attn.to_add_out, ff_context): no block reads that text after it, so a
         LoRA there would never get a gradient."""
-        last = self._config("transformer")["num_layers"] - 1
+        last = self.component_config("transformer")["num_layers"] - 1
         return rf"^context_embedder\.|^transformer_blocks\.{last}\.(attn\.to_add_out|ff_context\.)"
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:
@@ -319,7 +316,7 @@ class HunyuanVideo15Adapter(Adapter):
 
             # ComfyUI's HunyuanVideo model (comfy/ldm/hunyuan_video/model.py) builds its double blocks from
             # Flux's DoubleStreamBlock, so a block's LoRA takes Flux's original names there (fused img/txt qkv).
-            c = self._config("transformer")
+            c = self.component_config("transformer")
             inner = c["num_attention_heads"] * c["attention_head_dim"]
             return comfyui_lora(lora, inner_dim=inner, mlp_dim=int(inner * c["mlp_ratio"]))
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'hunyuan_video15' "

@@ -8,7 +8,6 @@ Prompt encoding is LTXPipeline's own (`_get_t5_prompt_embeds`), token packing it
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
@@ -95,13 +94,10 @@ class LTXAdapter(Adapter):
         media=("image", "video"), tasks=("t2v",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     def _vae_ratios(self) -> tuple[int, int]:
         """(spatial, temporal) compression of the VAE, as AutoencoderKLLTXVideo.__init__ derives them: the
         config's explicit ratios (0.9.5 and later), else patch size x 2 ** (number of scaling blocks)."""
-        c = self._config("vae")
+        c = self.component_config("vae")
         scalings = 2 ** sum(c["spatio_temporal_scaling"])
         return (c.get("spatial_compression_ratio") or c["patch_size"] * scalings,
                 c.get("temporal_compression_ratio") or c["patch_size_t"] * scalings)
@@ -109,7 +105,7 @@ class LTXAdapter(Adapter):
     # ---- encode side -------------------------------------------------------------------------------
     @property
     def pixel_multiple(self) -> int:
-        return self._vae_ratios()[0] * self._config("transformer")["patch_size"]
+        return self._vae_ratios()[0] * self.component_config("transformer")["patch_size"]
 
     def sample_size_multiple(self) -> int:
         return max(32, self.pixel_multiple)  # LTXPipeline refuses sizes that are not multiples of 32
@@ -153,12 +149,12 @@ class LTXAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s, st = self._vae_ratios()
-        return {"latents": ((self._config("vae")["latent_channels"], (frames - 1) // st + 1, height // s, width // s),
+        return {"latents": ((self.component_config("vae")["latent_channels"], (frames - 1) // st + 1, height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
         dt = dtype_name(self.dtype)
-        return {"t5": ((max_length, self._config("text_encoder")["d_model"]), dt), "t5_mask": ((max_length,), dt)}
+        return {"t5": ((max_length, self.component_config("text_encoder")["d_model"]), dt), "t5_mask": ((max_length,), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     @cached_property
@@ -173,7 +169,7 @@ class LTXAdapter(Adapter):
                                     "diffusers-format LTX-Video model")
         with safe_open(str(path), framework="pt") as f:
             mean, std = f.get_tensor("latents_mean"), f.get_tensor("latents_std")
-        return mean.float(), std.float(), float(self._config("vae").get("scaling_factor", 1.0))
+        return mean.float(), std.float(), float(self.component_config("vae").get("scaling_factor", 1.0))
 
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """LTXPipeline._normalize_latents, which its image-to-video path applies to encoded frames, per item."""
@@ -209,7 +205,7 @@ class LTXAdapter(Adapter):
                 text["t5_mask"].to(self.dtype))
 
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        c = self._config("transformer")
+        c = self.component_config("transformer")
         _, _, f, h, w = like.shape
         p, pt = c["patch_size"], c["patch_size_t"]
         return _pipeline_cls()._unpack_latents(prediction, f // pt, h // p, w // p, p, pt)

@@ -106,17 +106,10 @@ class Lumina2Adapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
     @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
-    @property
     def pixel_multiple(self) -> int:
-        return self.vae_scale * self._config("transformer")["patch_size"]
+        return self.vae_scale * self.component_config("transformer")["patch_size"]
 
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
@@ -152,15 +145,15 @@ class Lumina2Adapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
+        return {"latents": ((self.component_config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"prompt_embeds": ((max_length, self._config("transformer")["cap_feat_dim"]), dtype_name(self.dtype)),
+        return {"prompt_embeds": ((max_length, self.component_config("transformer")["cap_feat_dim"]), dtype_name(self.dtype)),
                 "prompt_mask": ((max_length,), "int64")}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
@@ -189,7 +182,7 @@ class Lumina2Adapter(Adapter):
         """Image tokens unpatchified as Lumina2Transformer2DModel.forward does, negated as Lumina2Pipeline negates
         them: the transformer predicts minus the velocity."""
         b, c, h, w = like.shape
-        p = self._config("transformer")["patch_size"]
+        p = self.component_config("transformer")["patch_size"]
         x = prediction.reshape(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
         return -x
 
@@ -211,7 +204,7 @@ class Lumina2Adapter(Adapter):
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            config = self._config("transformer")
+            config = self.component_config("transformer")
             head_dim = config["hidden_size"] // config["num_attention_heads"]
             return comfyui_lora(lora, q_dim=config["hidden_size"], kv_dim=head_dim * config["num_kv_heads"])
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'lumina2' "

@@ -96,18 +96,15 @@ class QwenImageAdapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
     @property
     def vae_scale(self) -> int:
         """As QwenImagePipeline computes it: one halving per temporal-downsample level."""
-        return 2 ** len(self._config("vae")["temperal_downsample"])
+        return 2 ** len(self.component_config("vae")["temperal_downsample"])
 
     @property
     def pixel_multiple(self) -> int:
-        return self.vae_scale * self._config("transformer")["patch_size"]
+        return self.vae_scale * self.component_config("transformer")["patch_size"]
 
     def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLQwenImage
@@ -158,17 +155,17 @@ class QwenImageAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["z_dim"], height // s, width // s), dtype_name(self.dtype))}
+        return {"latents": ((self.component_config("vae")["z_dim"], height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"prompt_embeds": ((max_length, self._config("transformer")["joint_attention_dim"]),
+        return {"prompt_embeds": ((max_length, self.component_config("transformer")["joint_attention_dim"]),
                                   dtype_name(self.dtype)),
                 "prompt_mask": ((max_length,), "int64")}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Per-channel (x - mean) / std, the inverse of what QwenImagePipeline applies before decoding."""
-        config = self._config("vae")
+        config = self.component_config("vae")
         mean = torch.tensor(config["latents_mean"], dtype=latents.dtype).view(-1, 1, 1)
         std = torch.tensor(config["latents_std"], dtype=latents.dtype).view(-1, 1, 1)
         return (latents - mean) / std
@@ -189,7 +186,7 @@ class QwenImageAdapter(Adapter):
     def lora_exclude(self) -> str:
         """The last block's text-stream outputs: the model's output reads only the image stream after it, so a
         LoRA there would never train."""
-        last = self._config("transformer")["num_layers"] - 1
+        last = self.component_config("transformer")["num_layers"] - 1
         return rf"^transformer_blocks\.{last}\.(attn\.to_add_out|txt_mlp\..+)$"
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:

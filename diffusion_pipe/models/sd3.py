@@ -81,17 +81,10 @@ class SD3Adapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
     @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
-    @property
     def pixel_multiple(self) -> int:
-        return self.vae_scale * self._config("transformer")["patch_size"]
+        return self.vae_scale * self.component_config("transformer")["patch_size"]
 
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         d = self.model_dir
@@ -133,20 +126,20 @@ class SD3Adapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
+        return {"latents": ((self.component_config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
         """CLIP's fixed 77 tokens followed by T5's `max_length`, at the transformer's joint width."""
         clip_length = json.loads((self.model_dir / "tokenizer" / "tokenizer_config.json").read_text())[
             "model_max_length"]
-        config = self._config("transformer")
+        config = self.component_config("transformer")
         dt = dtype_name(self.dtype)
         return {"prompt_embeds": ((clip_length + max_length, config["joint_attention_dim"]), dt),
                 "pooled": ((config["pooled_projection_dim"],), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:
@@ -165,7 +158,7 @@ class SD3Adapter(Adapter):
     def lora_exclude(self) -> str:
         """The last block's text query projection: that block keeps only the image stream, so the text
         queries' outputs are discarded and a LoRA there would never train."""
-        last = self._config("transformer")["num_layers"] - 1
+        last = self.component_config("transformer")["num_layers"] - 1
         return rf"^transformer_blocks\.{last}\.attn\.add_q_proj$"
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:
@@ -180,7 +173,7 @@ class SD3Adapter(Adapter):
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Patch tokens back to (B, C, H, W), as SD3Transformer2DModel.forward unpatchifies them."""
         b, c, h, w = like.shape
-        p = self._config("transformer")["patch_size"]
+        p = self.component_config("transformer")["patch_size"]
         x = prediction.reshape(b, h // p, w // p, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
 
@@ -203,7 +196,7 @@ class SD3Adapter(Adapter):
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
-            config = self._config("transformer")
+            config = self.component_config("transformer")
             return comfyui_lora(lora, config["num_attention_heads"] * config["attention_head_dim"],
                                 config["num_layers"])
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'sd3' "

@@ -126,18 +126,11 @@ class SDXLAdapter(Adapter):
         objectives=("epsilon", "v"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
-    @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
     @property
     def pixel_multiple(self) -> int:
         # The UNet halves the latent once per down block but the last: sides must survive that exactly.
-        return self.vae_scale * 2 ** (len(self._config("unet")["down_block_types"]) - 1)
+        return self.vae_scale * 2 ** (len(self.component_config("unet")["down_block_types"]) - 1)
 
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         d = self.model_dir
@@ -181,20 +174,20 @@ class SDXLAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["latent_channels"], height // s, width // s),
+        return {"latents": ((self.component_config("vae")["latent_channels"], height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
         d = self.model_dir
         length = json.loads((d / "tokenizer" / "tokenizer_config.json").read_text())["model_max_length"]
-        width = self._config("text_encoder")["hidden_size"] + self._config("text_encoder_2")["hidden_size"]
+        width = self.component_config("text_encoder")["hidden_size"] + self.component_config("text_encoder_2")["hidden_size"]
         dt = dtype_name(self.dtype)
         return {"prompt_embeds": ((length, width), dt),
-                "pooled": ((self._config("text_encoder_2")["projection_dim"],), dt)}
+                "pooled": ((self.component_config("text_encoder_2")["projection_dim"],), dt)}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def objective(self) -> str:
@@ -257,7 +250,7 @@ class SDXLAdapter(Adapter):
         if fmt == "diffusers":
             return {f"unet.{k}": v for k, v in lora.items()}
         if fmt == "kohya":
-            return kohya_lora(lora, self._config("unet")["layers_per_block"])
+            return kohya_lora(lora, self.component_config("unet")["layers_per_block"])
         raise ValueError(f"export.formats: {fmt!r} is not supported by family 'sdxl' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 

@@ -107,21 +107,18 @@ class WanAdapter(Adapter):
 
     experts: ClassVar[tuple[str, ...]] = tuple(EXPERTS)
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
     @property
     def vae_scale(self) -> int:
-        return self._config("vae").get("scale_factor_spatial") or 8
+        return self.component_config("vae").get("scale_factor_spatial") or 8
 
     @property
     def vae_scale_temporal(self) -> int:
-        return self._config("vae").get("scale_factor_temporal") or 4
+        return self.component_config("vae").get("scale_factor_temporal") or 4
 
     @property
     def pixel_multiple(self) -> int:
-        return self.vae_scale * self._config(self._transformer_component())["patch_size"][1]
+        return self.vae_scale * self.component_config(self._transformer_component())["patch_size"][1]
 
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
@@ -165,16 +162,16 @@ class WanAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s, st = self.vae_scale, self.vae_scale_temporal
-        return {"latents": ((self._config("vae")["z_dim"], (frames - 1) // st + 1, height // s, width // s),
+        return {"latents": ((self.component_config("vae")["z_dim"], (frames - 1) // st + 1, height // s, width // s),
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"t5": ((max_length, self._config("text_encoder")["d_model"]), dtype_name(self.dtype))}
+        return {"t5": ((max_length, self.component_config("text_encoder")["d_model"]), dtype_name(self.dtype))}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Per-channel (x - mean) / std, the inverse of what WanPipeline applies before decoding."""
-        config = self._config("vae")
+        config = self.component_config("vae")
         shape = (-1, 1, 1, 1)
         mean = torch.tensor(config["latents_mean"], dtype=latents.dtype).view(shape)
         std = torch.tensor(config["latents_std"], dtype=latents.dtype).view(shape)
@@ -221,7 +218,7 @@ class WanAdapter(Adapter):
         return noisy_latents.to(self.dtype), timesteps.to(self.dtype), text["t5"].to(self.dtype)
 
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        patch = tuple(self._config(self._transformer_component())["patch_size"])
+        patch = tuple(self.component_config(self._transformer_component())["patch_size"])
         return unpatchify(prediction, like, patch)
 
     # ---- sample side -------------------------------------------------------------------------------

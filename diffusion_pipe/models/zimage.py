@@ -7,7 +7,6 @@ feeds it 1 - t and negates its output, and so does this adapter, so training see
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -114,14 +113,7 @@ class ZImageAdapter(Adapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def _config(self, component: str) -> dict:
-        return json.loads((self.model_dir / component / "config.json").read_text())
-
     # ---- encode side -------------------------------------------------------------------------------
-    @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-
     @property
     def pixel_multiple(self) -> int:
         return self.vae_scale * 2  # the transformer's 2x2 patches
@@ -164,15 +156,15 @@ class ZImageAdapter(Adapter):
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
-        return {"latents": ((self._config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
+        return {"latents": ((self.component_config("vae")["latent_channels"], height // s, width // s), dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        return {"prompt_embeds": ((max_length, self._config("transformer")["cap_feat_dim"]), dtype_name(self.dtype)),
+        return {"prompt_embeds": ((max_length, self.component_config("transformer")["cap_feat_dim"]), dtype_name(self.dtype)),
                 "prompt_mask": ((max_length,), "int64")}
 
     # ---- train side --------------------------------------------------------------------------------
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self._config("vae")
+        config = self.component_config("vae")
         return (latents - (config.get("shift_factor") or 0.0)) * config["scaling_factor"]
 
     def denoiser_class(self) -> type[nn.Module]:

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
