@@ -4,8 +4,8 @@ through diffusers' own converter of original AuraFlow checkpoints (the names Com
 import pytest
 import torch
 
-from diffusion_pipe.export.keys import lora_modules
 from diffusion_pipe.models.auraflow import AuraFlowAdapter, auraflow_original_module
+from tests.models.comfyui_merge import assert_comfyui_merge_matches
 from tests.models.contract import AdapterContract
 
 
@@ -47,29 +47,4 @@ def test_comfyui_delta_equals_diffusers_delta(tiny):
     """Every Linear with a LoRA: merged in the original layout as ComfyUI merges (W += alpha / rank * up @ down)
     and converted back by diffusers' own converter == merged in diffusers' layout."""
     from diffusers.loaders.single_file_utils import convert_auraflow_transformer_checkpoint_to_diffusers as convert
-
-    denoiser = tiny.load_denoiser(torch.device("cpu"))
-    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
-    original = original_auraflow_state_dict(base)
-    back = convert(dict(original))
-    assert set(back) == set(base) and all(torch.equal(back[k], base[k]) for k in base)
-    gen = torch.Generator().manual_seed(0)
-    lora = {}
-    for i, module in enumerate(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)):
-        out_features, in_features = base[f"{module}.weight"].shape
-        lora[f"{module}.lora_A.weight"] = torch.randn(2 + i % 3, in_features, generator=gen)
-        lora[f"{module}.lora_B.weight"] = torch.randn(out_features, 2 + i % 3, generator=gen)
-    exported = tiny.export_lora(lora, "comfyui")
-    merged = dict(original)
-    for key in exported:
-        if key.endswith(".lora_down.weight"):
-            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
-            down, up = exported[key], exported[f"diffusion_model.{module}.lora_up.weight"]
-            scale = exported[f"diffusion_model.{module}.alpha"].item() / down.shape[0]
-            merged[f"{module}.weight"] = original[f"{module}.weight"] + scale * up @ down
-    want = dict(base)
-    for module, (a, b) in lora_modules(lora).items():
-        want[f"{module}.weight"] = base[f"{module}.weight"] + b @ a
-    got = convert(merged)
-    for key in base:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+    assert_comfyui_merge_matches(tiny, original_auraflow_state_dict, convert)

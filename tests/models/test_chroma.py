@@ -6,9 +6,9 @@ import inspect
 import pytest
 import torch
 
-from diffusion_pipe.export.keys import lora_modules
 from diffusion_pipe.models.chroma import ChromaAdapter
 from diffusion_pipe.models.flux import original_flux_state_dict, unpack_latents
+from tests.models.comfyui_merge import assert_comfyui_merge_matches
 from tests.models.contract import AdapterContract
 
 INNER, MLP = 32, 128  # the tiny model's widths: 2 heads x 16, mlp_ratio 4
@@ -68,32 +68,11 @@ def to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_comfyui_delta_equals_diffusers_delta(tiny):
     """Every exported key lands on a module of the original model, and merged there (as ComfyUI merges:
     W += alpha / rank * up @ down), converted back by diffusers == merged in diffusers' layout."""
-    base = {k: v.clone() for k, v in tiny.load_denoiser(torch.device("cpu")).state_dict().items()}
-    original = original_chroma_state_dict(base)
-    assert set(to_diffusers(original)) == set(base)
-    gen = torch.Generator().manual_seed(0)
     modules = [n for n, m in tiny.load_denoiser(torch.device("cpu")).named_modules()
                if isinstance(m, torch.nn.Linear) and not n.startswith("distilled_guidance_layer.")]
-    lora = {}
-    for i, module in enumerate(modules):
-        out_features, in_features = base[f"{module}.weight"].shape
-        lora[f"{module}.lora_A.weight"] = torch.randn(2 + i % 3, in_features, generator=gen)
-        lora[f"{module}.lora_B.weight"] = torch.randn(out_features, 2 + i % 3, generator=gen)
-    exported = tiny.export_lora(lora, "comfyui")
-    merged = dict(original)
-    for key in exported:
-        if key.endswith(".lora_down.weight"):
-            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
-            down, up = exported[key], exported[f"diffusion_model.{module}.lora_up.weight"]
-            scale = exported[f"diffusion_model.{module}.alpha"].item() / down.shape[0]
-            merged[f"{module}.weight"] = original[f"{module}.weight"] + scale * up @ down
+    exported = assert_comfyui_merge_matches(tiny, original_chroma_state_dict, to_diffusers, modules=modules,
+                                            exact_round_trip=False)
     assert len(exported) == 3 * len({k.rsplit(".", 2)[0] for k in exported if k.endswith(".lora_down.weight")})
-    want = dict(base)
-    for module, (a, b) in lora_modules(lora).items():
-        want[f"{module}.weight"] = base[f"{module}.weight"] + b @ a
-    got = to_diffusers(merged)
-    for key in base:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
 
 
 def test_no_guidance_input_and_images_only(tiny):

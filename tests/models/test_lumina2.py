@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from diffusion_pipe.export.keys import lora_modules
 from diffusion_pipe.models.lumina2 import Lumina2Adapter, lumina2_original_module
+from tests.models.comfyui_merge import assert_comfyui_merge_matches
 from tests.models.contract import AdapterContract
 
 
@@ -100,28 +100,5 @@ def test_comfyui_delta_equals_diffusers_delta(tiny):
     """Every Linear with a LoRA: merged in the original layout as ComfyUI merges (W += alpha / rank * up @ down)
     and converted back by diffusers == merged in diffusers' layout."""
     q_dim, kv_dim = 32, 16  # the tiny model: 2 query heads and 1 key/value head of 16
-    denoiser = tiny.load_denoiser(torch.device("cpu"))
-    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
-    original = original_lumina2_state_dict(base, q_dim, kv_dim)
-    back = to_diffusers(original, q_dim, kv_dim)
-    assert set(back) == set(base) and all(torch.equal(back[k], base[k]) for k in base)
-    gen = torch.Generator().manual_seed(0)
-    lora = {}
-    for i, module in enumerate(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)):
-        out_features, in_features = base[f"{module}.weight"].shape
-        lora[f"{module}.lora_A.weight"] = torch.randn(2 + i % 3, in_features, generator=gen)
-        lora[f"{module}.lora_B.weight"] = torch.randn(out_features, 2 + i % 3, generator=gen)
-    exported = tiny.export_lora(lora, "comfyui")
-    merged = dict(original)
-    for key in exported:
-        if key.endswith(".lora_down.weight"):
-            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
-            down, up = exported[key], exported[f"diffusion_model.{module}.lora_up.weight"]
-            scale = exported[f"diffusion_model.{module}.alpha"].item() / down.shape[0]
-            merged[f"{module}.weight"] = original[f"{module}.weight"] + scale * up @ down
-    want = dict(base)
-    for module, (a, b) in lora_modules(lora).items():
-        want[f"{module}.weight"] = base[f"{module}.weight"] + b @ a
-    got = to_diffusers(merged, q_dim, kv_dim)
-    for key in base:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+    assert_comfyui_merge_matches(tiny, lambda sd: original_lumina2_state_dict(sd, q_dim, kv_dim),
+                                 lambda sd: to_diffusers(sd, q_dim, kv_dim))
