@@ -3,7 +3,8 @@
 Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
 whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
 buckets (ok items per bucket), samples_per_epoch (train items x buckets x repeats). Top level also:
-excluded_examples (first paths per reason, with the error), duplicates (groups of identical files across all
+excluded_examples (first paths per reason, with the error), excluded_first (the first excluded rows in manifest
+order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
 (files probed vs reused from the cache, workers, seconds): the only part that differs between identical scans.
 """
@@ -60,6 +61,8 @@ def build_report(
         if r.status != "ok" and len(examples[r.reason]) < _EXAMPLES:
             examples[r.reason].append(f"{r.dataset}/{r.path}" + (f" ({r.detail})" if r.detail else ""))
     report["excluded_examples"] = dict(sorted(examples.items()))
+    report["excluded_first"] = [{"path": f"{r.dataset}/{r.path}", "reason": r.reason, "detail": r.detail}
+                                for r in [r for r in rows if r.status != "ok"][:_EXAMPLES]]
     groups = duplicate_groups(rows)
     report["duplicates"] = {
         "groups": len(groups),
@@ -86,8 +89,9 @@ def build_report(
     return report
 
 
-def summary_lines(report: dict[str, Any], manifest_path: str) -> list[str]:
-    """A few human-readable lines for stderr."""
+def summary_lines(report: dict[str, Any], manifest_path: str, report_path: str = "reports/scan.json") -> list[str]:
+    """A few human-readable lines for stderr: the counts, then the first excluded files with their reasons, so
+    why data was dropped shows at once, and where the rest are listed."""
     reasons = ", ".join(f"{k} {v}" for k, v in report["excluded_by_reason"].items())
     run = report["run"]
     lines = [
@@ -100,5 +104,12 @@ def summary_lines(report: dict[str, Any], manifest_path: str) -> list[str]:
         f"scan: probed {run['files_probed']} file(s), reused {run['files_cached']} from the cache, "
         f"{run['seconds']:.1f} s -> {manifest_path}",
     ]
+    first = report.get("excluded_first", [])
+    lines += [f"scan: excluded {e['path']}: {e['reason']}" + (f" ({e['detail']})" if e["detail"] else "")
+              for e in first]
+    if report["excluded"] > len(first):
+        lines.append(f"scan: ... and {report['excluded'] - len(first)} more excluded; every one is a row of "
+                     f"{manifest_path} with status 'excluded' and its reason, the first {_EXAMPLES} per reason "
+                     f"are in {report_path} (excluded_examples)")
     lines += [f"scan: warning: {w}" for w in report["warnings"]]
     return lines

@@ -197,6 +197,6 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
             snapshot.save(key, data, report)
     write_bytes_atomic(manifest_path, data)
     write_json_atomic(report_path, report)
-    for line in summary_lines(report, str(manifest_path)):
+    for line in summary_lines(report, str(manifest_path), str(report_path)):
         print(line, file=sys.stderr)
     return report
