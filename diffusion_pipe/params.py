@@ -67,6 +67,9 @@ class DatasetParams:
     eval_fraction: float = 0.0
     # Follow symlinks whose target lies outside `path` (off: such links are excluded rows, never read).
     follow_outside_links: bool = False
+    # Edit families (flux_kontext): a directory of control images, one per media file of `path`, matched by
+    # relative path without extension (`path/a/cat.png` <- `control/a/cat.jpg`); see scan/manifest.py.
+    control: str = ""
 
     @property
     def manifest_name(self) -> str:

@@ -7,15 +7,27 @@ Row rules, in order (the first that applies sets `status='excluded'` and `reason
 2. the caption: 'caption_not_utf8', 'caption_unreadable', 'caption_outside_root', 'caption_too_long' (over
    scan.max_caption_bytes), 'missing_caption' (policy 'skip'; with policy
    'error' the scan raises ScanError instead of writing anything);
-3. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
+3. the control image, in a dataset with `control` (edit families): 'missing_control' (no file of the control
+   directory has the item's relative path without extension), 'control_ambiguous' (several do, e.g. cat.png and
+   cat.jpg), 'control_not_image' (a video), or 'control_<reason>' for a control file that fails rule 1
+   ('control_corrupt', 'control_outside_root', 'control_broken_symlink', ...). An item never trains without
+   its control image;
+4. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
    fits);
-4. 'duplicate': the same bytes as an earlier ok item (by path) *of the same dataset*. The first copy trains,
+5. 'duplicate': the same bytes (and the same control images' bytes) as an earlier ok item (by path) *of the same
+   dataset*. The first copy trains,
    later copies are excluded, so an image is not trained twice per epoch by accident. Copies in different
    datasets are all kept (datasets may deliberately share images with other captions or resolutions); every
    duplicate group is counted in the report either way.
 
 `split` is derived from the content hash alone (so it is the same on every machine, and identical copies land
 in the same split): 'eval' when int(content_hash[:8], 16) / 2**32 < eval_fraction.
+
+Control images are matched by the item's relative path without extension inside the control directory, which
+must lie outside the dataset directory (else they would be scanned as items too); they are hashed and checked
+like media files (same probe, same stat cache, same symlink rule) and listed per row in `control_paths` (relative
+to the control directory) and `control_hashes`: lists, so a family with several reference images per item needs
+no new columns. Encode resizes each control image to its item's bucket.
 
 The parquet file holds only input-derived values (no mtime, inode, absolute path or timestamp), rows sorted by
 (dataset, path), with a fixed schema, so the same inputs give the same bytes on every run and machine.
@@ -36,7 +48,7 @@ from diffusion_pipe.scan.captions import CaptionRead, resolve_caption
 from diffusion_pipe.scan.files import Entry
 from diffusion_pipe.scan.media import Probe, media_kind
 
-MANIFEST_VERSION = "1"
+MANIFEST_VERSION = "2"  # 2: control_paths, control_hashes
 
 SCHEMA = pa.schema(
     [
@@ -57,6 +69,8 @@ SCHEMA = pa.schema(
         pa.field("repeats", pa.int32(), nullable=False),
         pa.field("status", pa.string(), nullable=False),
         pa.field("reason", pa.string(), nullable=False),
+        pa.field("control_paths", pa.list_(pa.string()), nullable=False),
+        pa.field("control_hashes", pa.list_(pa.string()), nullable=False),
     ],
     metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
 )
@@ -70,6 +84,7 @@ class DatasetSpec:
     root: str
     params: DatasetParams
     layouts: tuple[tuple[Bucket, ...], ...]  # one per entry of params.resolutions
+    control_root: str = ""  # the directory of control images (params.control), '' for none
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,8 @@ class Row:
     repeats: int
     status: str
     reason: str
+    control_paths: tuple[str, ...] = ()  # relative to the dataset's control directory
+    control_hashes: tuple[str, ...] = ()
     detail: str = ""
     caption_missing: bool = False
 
@@ -129,9 +146,50 @@ def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead]) ->
     return out
 
 
-def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, Probe | CaptionRead]) -> list[Row]:
-    """The manifest rows of one dataset, sorted by path, from its listing and the probe results by rel path."""
+@dataclass(frozen=True)
+class ControlMatch:
+    """The control image of one item: its relative path and content hash, or why it can't be used."""
+
+    path: str = ""
+    content_hash: str = ""
+    reason: str = ""
+    detail: str = ""
+
+
+def controls_by_stem(entries: Sequence[Entry], results: dict[str, Probe]) -> dict[str, list[tuple[Entry, Probe]]]:
+    """The control directory's media files by 'dir/name' (no extension), each with its probe (a listing problem
+    becomes a probe with that reason, as for media files)."""
+    out: dict[str, list[tuple[Entry, Probe]]] = {}
+    for e in entries:
+        if e.kind != "media":
+            continue
+        probe = Probe(media=media_kind(e.rel) or "image", reason=e.problem, detail=e.detail) if e.problem \
+            else results[e.rel]
+        out.setdefault(_caption_stem(e.rel), []).append((e, probe))
+    return out
+
+
+def match_control(candidates: Sequence[tuple[Entry, Probe]]) -> ControlMatch:
+    """The control image among the control files sharing an item's stem (rule 3 of the module docstring). Pure."""
+    if not candidates:
+        return ControlMatch(reason="missing_control", detail="no control image with this name")
+    if len(candidates) > 1:
+        return ControlMatch(reason="control_ambiguous",
+                            detail="several control images: " + ", ".join(e.rel for e, _ in candidates))
+    entry, probe = candidates[0]
+    if probe.reason:
+        return ControlMatch(path=entry.rel, reason=f"control_{probe.reason}", detail=f"{entry.rel}: {probe.detail}")
+    if probe.media != "image":
+        return ControlMatch(path=entry.rel, reason="control_not_image", detail=f"{entry.rel} is a video")
+    return ControlMatch(path=entry.rel, content_hash=probe.content_hash)
+
+
+def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, Probe | CaptionRead],
+               control_entries: Sequence[Entry] = (), control_results: dict[str, Probe] | None = None) -> list[Row]:
+    """The manifest rows of one dataset, sorted by path, from its listing and the probe results by rel path (and,
+    with a control directory, its listing and probe results)."""
     p = spec.params
+    controls = controls_by_stem(control_entries, control_results or {}) if spec.control_root else None
     caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)})
     rows: list[Row] = []
     bucket_memo: dict[tuple[int, int, int, bool], tuple[tuple[str, ...], str]] = {}
@@ -147,6 +205,10 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
         cap = resolve_caption(caption_reads.get(_caption_stem(e.rel)), p.caption_policy, p.default_caption,
                               p.caption_prefix)
         reason = probe.reason or cap.reason
+        control = ControlMatch()
+        if controls is not None and not reason:
+            control = match_control(controls.get(_caption_stem(e.rel), ()))
+            reason = control.reason
         labels: tuple[str, ...] = ()
         if not reason:
             shape = (probe.width, probe.height, probe.num_frames, probe.media == "video")
@@ -159,18 +221,22 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             fps=probe.fps, caption=cap.caption, caption_hash=hash_bytes(cap.caption.encode("utf-8")),
             caption_source=cap.source, buckets=labels, split=split_for(probe.content_hash, p.eval_fraction),
             repeats=p.repeats, status="excluded" if reason else "ok", reason=reason,
-            detail=probe.detail if probe.reason else cap.detail, caption_missing=cap.missing and not probe.reason,
+            control_paths=(control.path,) if control.content_hash else (),
+            control_hashes=(control.content_hash,) if control.content_hash else (),
+            detail=probe.detail if probe.reason else cap.detail if cap.reason else control.detail,
+            caption_missing=cap.missing and not probe.reason,
         ))
     return mark_duplicates(sorted(rows, key=lambda r: r.path))
 
 
 def mark_duplicates(rows: Sequence[Row]) -> list[Row]:
-    """Exclude ok rows whose content hash an earlier ok row (in the given order) already has."""
-    seen: dict[str, str] = {}
+    """Exclude ok rows whose content hash (and control images' hashes) an earlier ok row (in the given order)
+    already has: an edit dataset may pair one target with several different control images."""
+    seen: dict[tuple[str, tuple[str, ...]], str] = {}
     out = []
     for r in rows:
         if r.status == "ok":
-            first = seen.setdefault(r.content_hash, r.path)
+            first = seen.setdefault((r.content_hash, r.control_hashes), r.path)
             if first != r.path:
                 r = Row(**{**r.__dict__, "status": "excluded", "reason": "duplicate", "buckets": (),
                            "detail": f"same content as {first}"})
@@ -182,7 +248,8 @@ def manifest_table(rows: Sequence[Row]) -> pa.Table:
     """The rows as an Arrow table with the manifest schema, sorted by (dataset, path)."""
     ordered = sorted(rows, key=lambda r: (r.dataset, r.path))
     cols = {name: [getattr(r, name) for r in ordered] for name in SCHEMA.names}
-    cols["buckets"] = [list(b) for b in cols["buckets"]]
+    for name in ("buckets", "control_paths", "control_hashes"):
+        cols[name] = [list(b) for b in cols[name]]
     return pa.Table.from_pydict(cols, schema=SCHEMA)
 
 

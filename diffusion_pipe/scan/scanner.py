@@ -43,11 +43,24 @@ def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
         seen[name] = i
         if not os.path.isdir(ds.path):
             raise ConfigError(f"{where}.path: {ds.path!r} is not a directory (paths are relative to {os.getcwd()})")
+        if ds.control:
+            _check_control_dir(ds.path, ds.control, where)
         layouts = tuple(
             bucket_layout(res, params.bucket_step, params.min_aspect, params.max_aspect) for res in ds.resolutions
         )
-        specs.append(DatasetSpec(name=name, root=ds.path, params=ds, layouts=layouts))
+        specs.append(DatasetSpec(name=name, root=ds.path, params=ds, layouts=layouts, control_root=ds.control))
     return specs
+
+
+def _check_control_dir(path: str, control: str, where: str) -> None:
+    """A control directory exists and lies outside its dataset directory (else its images would be items too)."""
+    if not os.path.isdir(control):
+        raise ConfigError(f"{where}.control: {control!r} is not a directory (paths are relative to {os.getcwd()})")
+    root, real = os.path.realpath(path), os.path.realpath(control)
+    if os.path.commonpath([root, real]) in (root, real):
+        raise ConfigError(f"{where}.control: {control!r} and the dataset directory {path!r} contain one another; "
+                          "keep the control images in a directory beside the dataset's, e.g. data/edits and "
+                          "data/edits-control")
 
 
 def _workers(params: ScanParams) -> int:
@@ -99,34 +112,50 @@ def scan_datasets(
     Raises ConfigError for bad dataset params and ScanError for missing captions under policy 'error'.
     """
     start = time.perf_counter()
-    specs, listings = _list_datasets(params)
-    return _scan_listed(params, specs, listings, cache_path, progress, start)
+    specs, listings, controls = _list_datasets(params)
+    return _scan_listed(params, specs, listings, controls, cache_path, progress, start)
 
 
-def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing]]:
-    """Every dataset's spec (params checked) and listing (the walk)."""
+def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing], list[Listing | None]]:
+    """Every dataset's spec (params checked), listing (the walk) and its control directory's listing (or None)."""
     specs = resolve_datasets(params)
-    return specs, [list_dataset(spec.root, spec.params.follow_outside_links) for spec in specs]
+    return (specs, [list_dataset(spec.root, spec.params.follow_outside_links) for spec in specs],
+            [list_dataset(spec.control_root, spec.params.follow_outside_links) if spec.control_root else None
+             for spec in specs])
 
 
-def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing], cache_path: Path | None,
-                 progress: bool, start: float) -> tuple[list[Row], dict[str, Any]]:
+# The cache kind of a control directory's media files: their own keys, as a control image may share its relative
+# path with a media file of the dataset.
+_CONTROL = "control"
+
+
+def _probe_entries(spec: DatasetSpec, listing: Listing, control: Listing | None):
+    """(cache key, entry) of every stat'ed file of a dataset and of its control directory's images."""
+    for e in listing.entries:
+        if e.stat_key is not None:
+            yield (spec.name, e.rel, e.kind), e
+    for e in control.entries if control is not None else ():
+        if e.stat_key is not None and e.kind == "media":
+            yield (spec.name, e.rel, _CONTROL), e
+
+
+def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing],
+                 controls: list[Listing | None], cache_path: Path | None, progress: bool,
+                 start: float) -> tuple[list[Row], dict[str, Any]]:
     cache = load_cache(cache_path, _limits(params))
 
     known: dict[CacheKey, CacheEntry] = {}
     todo: list[tuple[CacheKey, Task]] = []
-    for spec, listing in zip(specs, listings):
-        for e in listing.entries:
-            if e.stat_key is None:
-                continue
-            key = (spec.name, e.rel, e.kind)
+    stat_keys = {}
+    for spec, listing, control in zip(specs, listings, controls):
+        for key, e in _probe_entries(spec, listing, control):
+            stat_keys[key] = e.stat_key
             hit = cache.get(key)
             if hit is not None and hit[0] == e.stat_key:
                 known[key] = hit
             else:
-                todo.append((key, Task(e.kind, e.path)))
+                todo.append((key, Task("media" if e.kind == "media" else "caption", e.path)))
     cached = len(known)
-    stat_keys = {(spec.name, e.rel, e.kind): e.stat_key for spec, lst in zip(specs, listings) for e in lst.entries}
     workers = _workers(params)
     probed = probe_all([t for _, t in todo], workers, params.image_pixel_limit, progress, params.max_caption_bytes)
     for (key, _), result in zip(todo, probed):
@@ -138,15 +167,23 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
         save_cache(cache_path, known, _limits(params))
 
     by_dataset: dict[str, dict[str, Probe | CaptionRead]] = {spec.name: {} for spec in specs}
-    for (name, rel, _), (_, result) in known.items():
-        by_dataset[name][rel] = result
+    control_probes: dict[str, dict[str, Probe]] = {spec.name: {} for spec in specs}
+    for (name, rel, kind), (_, result) in known.items():
+        if kind == _CONTROL:
+            assert isinstance(result, Probe), rel
+            control_probes[name][rel] = result
+        else:
+            by_dataset[name][rel] = result
     rows: list[Row] = []
-    for spec, listing in zip(specs, listings):
-        rows.extend(build_rows(spec, listing.entries, by_dataset[spec.name]))
+    for spec, listing, control in zip(specs, listings, controls):
+        rows.extend(build_rows(spec, listing.entries, by_dataset[spec.name],
+                               control.entries if control is not None else (), control_probes[spec.name]))
     rows.sort(key=lambda r: (r.dataset, r.path))
     _check_captions(rows, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
+    warnings += [f"dataset {spec.name} control: {w}" for spec, lst in zip(specs, controls) if lst is not None
+                 for w in lst.warnings]
     warnings += [f"dataset {spec.name}: {note}" for spec in specs
                  for res, layout in zip(spec.params.resolutions, spec.layouts)
                  if (note := rounding_note(res, params.bucket_step, layout))]
@@ -181,17 +218,17 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
     scan reuses that scan's manifest bytes and report (see `snapshot.py`) after the walk; otherwise only the
     files whose stat key changed are probed."""
     start = time.perf_counter()
-    specs, listings = _list_datasets(params)
+    specs, listings, controls = _list_datasets(params)
     snapshot = Snapshot(cache_path) if cache_path is not None else None
-    key = fingerprint(params, specs, listings) if snapshot is not None else ""
+    key = fingerprint(params, specs, listings, controls) if snapshot is not None else ""
     last = snapshot.load(key) if snapshot is not None else None
     if last is not None:
         data, report = last
-        files = sum(len(lst.stats) - len(lst.problems) for lst in listings)
+        files = sum(len(lst.stats) - len(lst.problems) for lst in [*listings, *controls] if lst is not None)
         report["run"] = {"files_probed": 0, "files_cached": files, "workers": _workers(params),
                          "reused_last_scan": True, "seconds": round(time.perf_counter() - start, 3)}
     else:
-        rows, report = _scan_listed(params, specs, listings, cache_path, True, start)
+        rows, report = _scan_listed(params, specs, listings, controls, cache_path, True, start)
         data = manifest_bytes(rows)
         if snapshot is not None and not any(r.reason in ENVIRONMENT_REASONS for r in rows):
             snapshot.save(key, data, report)

@@ -47,14 +47,17 @@ def _code_and_libraries() -> bytes:
     return h.digest()
 
 
-def fingerprint(params: ScanParams, specs: Sequence[DatasetSpec], listings: Sequence[Listing]) -> str:
+def fingerprint(params: ScanParams, specs: Sequence[DatasetSpec], listings: Sequence[Listing],
+                controls: Sequence[Listing | None] = ()) -> str:
     """A hash of everything a scan's manifest and report are computed from, given that unchanged stat keys mean
-    unchanged files (the stat cache's premise)."""
+    unchanged files (the stat cache's premise): the datasets' listings and their control directories'."""
     h = xxhash.xxh3_128(_code_and_libraries())
     h.update(json.dumps({"version": _VERSION, "params": to_dict(params)}, sort_keys=True).encode())
     missing = (0, 0, 0)
-    for spec, listing in zip(specs, listings):
-        h.update(f"\0dataset {spec.name} {len(listing.rels)} {listing.ignored_files}\0".encode())
+    tagged = [(f"dataset {spec.name}", lst) for spec, lst in zip(specs, listings)]
+    tagged += [(f"control {spec.name}", lst) for spec, lst in zip(specs, controls) if lst is not None]
+    for tag, listing in tagged:
+        h.update(f"\0{tag} {len(listing.rels)} {listing.ignored_files}\0".encode())
         # relative paths (the listing skipped names that are not UTF-8), kinds, then the stat keys as arrays
         h.update("\0".join(listing.rels).encode("utf-8"))
         h.update("".join([k[0] for k in listing.kinds]).encode())
