@@ -4,11 +4,19 @@ diffusers + peft loop on the same model and shapes, measured in the same run.
     python bench/bench_train.py --shape dev --steps 20            # H200: Flux-dev-shaped, 1024x1024, LoRA r32
     python bench/bench_train.py --shape tiny --steps 6 --device cpu   # smoke test anywhere
     python bench/bench_train.py --shape dev --base-dtype float8 --variants eager,cap24 --no-plain  # fp8 base
+    python bench/bench_train.py --shape dev --steps 12 --variants samples   # share of wall time spent sampling
 
 The model is random-init (no weights can be downloaded), written in diffusers format and loaded back through
 the same `from_pretrained`/safetensors path a real checkpoint takes. Model FLOPs per step are counted by
 torch's FlopCounterMode on one forward + backward of the plain loop (every matmul and attention, the LoRA's
 own included; recomputation not counted), and utilisation is against a bf16 matmul peak measured in the run.
+
+The `samples` variant runs ours eager with `train.samples` (the README's two prompts, 1024x1024 at dev shape,
+--sample-steps steps, rendered at step 0, halfway and at the end, decoded by a full random-init VAE of Flux's
+shape; their text entries are in the store under the keys encode gives them) and reports the seconds the train
+report records for sampling, their share of the run's wall time, and the share they would take in a 2000-step
+run rendering every 0 (step 0 and the end), 250 or 500 steps. The first render includes one-time warm-up, so the
+projection errs high.
 """
 
 from __future__ import annotations
@@ -28,58 +36,65 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# dev: FLUX.1-dev's transformer (family_shapes.REAL["flux"]) at 1024x1024; tiny: the family's tiny model
 SHAPES = {
-    "dev": {"transformer": dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                                joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                                in_channels=64, axes_dims_rope=(16, 56, 56)),
-            "latent_channels": 16, "vae_blocks": 4, "t5_dim": 4096, "clip_dim": 768, "text_len": 512,
-            "resolution": 1024},
-    "tiny": {"transformer": dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                                 joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-                                 in_channels=16, axes_dims_rope=(4, 6, 6)),
-             "latent_channels": 4, "vae_blocks": 3, "t5_dim": 32, "clip_dim": 32, "text_len": 32,
-             "resolution": 64},
+    "dev": {"family_shape": "real", "latent_channels": 16, "vae_blocks": 4, "t5_dim": 4096, "clip_dim": 768,
+            "text_len": 512, "resolution": 1024},
+    "tiny": {"family_shape": "tiny", "latent_channels": 4, "vae_blocks": 3, "t5_dim": 32, "clip_dim": 32,
+             "text_len": 32, "resolution": 64},
 }
+# FLUX.1-dev's VAE (black-forest-labs/FLUX.1-dev vae/config.json), written in full: samples decode with it
+FLUX_DEV_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                    layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+                    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+# train.samples of the `samples` variant: the README's two prompts at 1024x1024, SampleParams' default 20 steps
+SAMPLE_PROMPTS = ({"prompt": "a photo of sks dog on a beach", "seed": 1},
+                  {"prompt": "a photo of a dog on a beach", "seed": 1, "negative_prompt": "blurry"})
+
+
+def samples_section(shape: dict, every_steps: int, steps: int) -> dict:
+    """The `train.samples` params section of the samples variant."""
+    return {"every_steps": every_steps, "width": shape["resolution"], "height": shape["resolution"], "steps": steps,
+            "prompts": [dict(p) for p in SAMPLE_PROMPTS]}
+
+
+def sample_params(section: dict):
+    """A `train.samples` section as the params loader builds it."""
+    from diffusion_pipe.params import SampleParams, SamplePrompt
+
+    return SampleParams(**{**section, "prompts": tuple(SamplePrompt(**p) for p in section["prompts"])})
 
 
 def make_model_dir(root: Path, shape: dict, device: str) -> Path:
-    """A diffusers-format Flux directory: a full random-init transformer, and the configs of the other
-    components (training reads only their shapes)."""
-    from diffusers import FluxTransformer2DModel
+    """A diffusers-format Flux directory (family_shapes.write_model_dir): at dev shape a full random-init
+    transformer and VAE of FLUX.1-dev's shape, tiny text encoders and tokenizers (training reads only their
+    configs; their weights give sample prompts' text keys something to hash)."""
+    from family_shapes import write_model_dir
 
-    with torch.device(device):
-        model = FluxTransformer2DModel(**shape["transformer"]).to(torch.bfloat16)
-    model.save_pretrained(root / "transformer", max_shard_size="10GB")
-    del model
-    vae = {"_class_name": "AutoencoderKL", "block_out_channels": [128] * shape["vae_blocks"],
-           "latent_channels": shape["latent_channels"], "scaling_factor": 0.3611, "shift_factor": 0.1159}
-    for name, config in (("vae", vae), ("text_encoder", {"hidden_size": shape["clip_dim"]}),
-                         ("text_encoder_2", {"d_model": shape["t5_dim"]})):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        (root / name / "config.json").write_text(json.dumps(config))
+    dev = shape["family_shape"] == "real"
+    write_model_dir("flux", root, shape["family_shape"], device, vae=FLUX_DEV_VAE if dev else None)
+    if dev:  # FLUX.1-dev's scheduler (dynamic shifting), which samples render with
+        path = root / "scheduler" / "scheduler_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {
+            "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+            "shift": 3.0, "use_dynamic_shifting": True}))
     return root
 
 
-def make_data(store_root: Path, encoded: Path, shape: dict, n: int) -> None:
-    """`n` latent and text entries in a store, and the encoded table that lists them."""
-    from diffusion_pipe.bucket_labels import bucket_label
-    from diffusion_pipe.encode.encode import Sample, write_encoded_table
-    from diffusion_pipe.hashing import hash_json
-    from diffusion_pipe.store import Store
+def make_data(store_root: Path, encoded: Path, model_dir: Path, shape: dict, n: int) -> None:
+    """`n` latent and text entries in a store and the encoded table that lists them, plus the text entries of
+    the samples variant's prompts under the keys encode gives them."""
+    from family_shapes import fill_store
 
-    store = Store(store_root)
-    res, scale = shape["resolution"], 2 ** (shape["vae_blocks"] - 1)
-    bucket = bucket_label(res, res, 1)
-    samples = []
-    with store.writer("latent") as lw, store.writer("text") as tw:
-        for i in range(n):
-            lkey, tkey = hash_json(["bench-latent", i]), hash_json(["bench-text", i])
-            lw.add(lkey, {"latents": torch.randn(shape["latent_channels"], res // scale, res // scale,
-                                                 dtype=torch.bfloat16)})
-            tw.add(tkey, {"t5": torch.randn(shape["text_len"], shape["t5_dim"], dtype=torch.bfloat16),
-                          "clip_pooled": torch.randn(shape["clip_dim"], dtype=torch.bfloat16)})
-            samples.append(Sample("bench", f"{i}.png", bucket, "train", 1, "", "", lkey, tkey))
-    write_encoded_table(samples, encoded)
+    from diffusion_pipe.models.flux import FluxAdapter
+    from diffusion_pipe.params import ModelParams
+    from diffusion_pipe.sample.render import prompt_texts
+
+    adapter = FluxAdapter(model_dir, torch.bfloat16)
+    texts = prompt_texts(adapter, sample_params(samples_section(shape, 0, 1)).resolved())
+    fill_store(store_root, encoded, adapter, (shape["resolution"], shape["resolution"], 1), shape["text_len"], n,
+               ModelParams(family="flux", path=str(model_dir), dtype="bfloat16"), texts)
 
 
 # name -> train params of our run; "plain": whether the plain loop runs the same variant
@@ -91,13 +106,17 @@ VARIANTS = {
     # with --base-dtype float8 the frozen weights take half the memory: these caps need fewer or no swapped blocks
     "cap24-noswap": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 24},
     "cap16": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 8, "max_gpu_memory_gb": 16},
+    # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()
+    "samples": {"plain": False, "max_gpu_memory_gb": 80},
 }
 
 
 def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, variant: dict,
-                 base_dtype: str = "") -> None:
+                 base_dtype: str = "", family: str = "flux", guidance: float | None = 3.5) -> None:
+    """params.yaml of one run of ours: `variant`'s train params over the bench's fixed ones (nested values as
+    JSON, which YAML reads); `guidance` None leaves train.guidance at its default."""
     path.write_text(f"""
-model: {{family: flux, path: {model_dir}, dtype: bfloat16, base_dtype: "{base_dtype}"}}
+model: {{family: {family}, path: {model_dir}, dtype: bfloat16, base_dtype: "{base_dtype}"}}
 scan: {{datasets: [{{path: .}}]}}
 encode: {{text_max_length: {shape['text_len']}}}
 train:
@@ -107,9 +126,9 @@ train:
   lora_rank: 32
   lora_alpha: 32.0
   device: {'cuda' if device == 'cuda' else 'cpu'}
-  guidance: 3.5
-""" + "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in variant.items()
-              if k != "plain" and (device == "cuda" or k != "max_gpu_memory_gb")))
+""" + (f"  guidance: {guidance}\n" if guidance is not None else "")
+        + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in variant.items()
+                  if k != "plain" and (device == "cuda" or k != "max_gpu_memory_gb")))
 
 
 def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, profile: Path | None) -> dict:
@@ -121,7 +140,8 @@ def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, pro
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "stages.train", "--params", str(params), "--encoded", str(encoded),
                            "--out", str(runs / "out"), "--report", str(runs / "report.json"),
-                           "--loss-plot", str(runs / "loss.csv"), "--runs", str(runs)],
+                           "--loss-plot", str(runs / "loss.csv"), "--runs", str(runs),
+                           "--samples", str(runs / "samples")],
                           cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"train stage failed:\n{proc.stderr[-4000:]}")
@@ -134,24 +154,18 @@ def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_la
                count_flops: bool, profile: Path | None = None) -> dict:
     """The baseline: diffusers' transformer + peft LoRA (same targets and rank), AdamW, bf16, no framework."""
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
+    from family_shapes import add_plain_lora, train_plain
 
     from diffusion_pipe.models.flux import FluxAdapter, image_ids, pack_latents
-    from diffusion_pipe.train.lora import target_module_names
 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # as the train stage does (see train/pipeline.py)
     model = FluxTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch.bfloat16).to(dev)
-    model.requires_grad_(False)
-    adapter = FluxAdapter(model_dir, torch.bfloat16)
-    targets = target_module_names(model, adapter.default_lora_targets, adapter.lora_exclude())
-    model.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=targets, init_lora_weights=True))
+    params = add_plain_lora(model, FluxAdapter(model_dir, torch.bfloat16))
     if compile_layers:
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
             block.compile()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
     res, scale = shape["resolution"], 2 ** (shape["vae_blocks"] - 1)
     h = w = res // scale
     g = torch.Generator().manual_seed(0)
@@ -167,49 +181,29 @@ def plain_loop(model_dir: Path, shape: dict, steps: int, device: str, compile_la
                   img_ids=image_ids(h, w).to(dev), txt_ids=torch.zeros(shape["text_len"], 3, device=dev),
                   guidance=torch.full((1,), 3.5, device=dev, dtype=torch.bfloat16), return_dict=False)
 
-    def step() -> None:
-        pred = model(**kwargs)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), target.float())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss() -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(**kwargs)[0].float(), target.float())
 
-    flops = None
-    if count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
-        with counter:
-            step()
-        flops = counter.get_total_flops()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(steps):
-        started = time.perf_counter()
-        if profile and i == 3:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-
-            from diffusion_pipe.train.loop import write_profile
-
-            cuda = dev.type == "cuda"
-            with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-                with torch.profiler.record_function(f"train.step{i}"):
-                    step()
-                    if cuda:
-                        torch.cuda.synchronize()
-            write_profile(prof, profile)
-        else:
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    out = {"step_seconds": statistics.median(times[2:] or times), "flops_per_step": flops,
-           "max_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None}
-    del model, opt, params
+    out = train_plain(loss, params, steps, dev, count_flops, profile)
+    del model, params
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def sample_share(report: dict, section: dict, steps: int, every_steps: tuple[int, ...]) -> dict:
+    """What sampling cost in a samples run (`report`: its train report plus process_seconds; `section`: its
+    train.samples), and the share of wall time sampling would take in a run of `steps` steps rendering every
+    `every_steps` (0: at step 0 and the end), at this run's s/step and mean seconds per render."""
+    from diffusion_pipe.train.samples import sample_steps
+
+    renders = len(sample_steps(sample_params(section), report["steps"]))
+    per_render = report["sample_seconds"] / renders
+    out = {"renders": renders, "sample_seconds": report["sample_seconds"], "seconds_per_render": round(per_render, 3),
+           "share_of_this_run": round(report["sample_seconds"] / report["process_seconds"], 4)}
+    for every in every_steps:
+        rendering = len(sample_steps(sample_params({**section, "every_steps": every}), steps)) * per_render
+        out[f"share_at_{steps}_steps_every_{every}"] = round(rendering / (rendering + steps * report["step_seconds"]), 4)
     return out
 
 
@@ -234,7 +228,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="dev")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "samples"),
+                        help=f"comma list of: {', '.join(VARIANTS)} (default: all but samples)")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-plain", action="store_true", help="run ours only")
@@ -244,6 +239,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None,
                         help="write torch.profiler tables, Chrome traces and their GPU-idle breakdown "
                              "(bench/trace_gaps.py) of both runners into this directory")
+    parser.add_argument("--sample-steps", type=int, default=20,
+                        help="samples variant: inference steps per sample (SampleParams' default 20)")
     args = parser.parse_args()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -253,13 +250,15 @@ def main() -> None:
     started = time.perf_counter()
     if not (model_dir / "transformer").is_dir():
         make_model_dir(model_dir, shape, args.device)
-        make_data(store, encoded, shape, n=8)
+        make_data(store, encoded, model_dir, shape, n=8)
     print(f"model and data written in {time.perf_counter() - started:.0f} s to {work}", flush=True)
     results: dict = {"shape": args.shape, "steps": args.steps, "device": args.device,
                      "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                      "torch": torch.__version__, "peak_flops": matmul_peak(args.device), "base_dtype": args.base_dtype}
     for variant in args.variants.split(","):
         spec = VARIANTS[variant]
+        if variant == "samples":
+            spec = {**spec, "samples": samples_section(shape, max(1, args.steps // 2), args.sample_steps)}
         params = work / f"params-{variant}.yaml"
         write_params(params, model_dir, shape, args.steps, args.device, spec, args.base_dtype)
         prof = (lambda name: args.profile / f"{variant}-{name}.txt") if args.profile else (lambda name: None)
@@ -274,6 +273,10 @@ def main() -> None:
         # the losses too: fp8 base weights must not change what is learned (same seed, data and steps as bf16)
         results[variant]["ours"] = {k: ours.get(k) for k in ("step_seconds", "max_memory_gb", "process_seconds",
                                                              "lora_dtype", "train_loss_first", "train_loss_last10")}
+        if variant == "samples":
+            # the flux-dev examples' 2000 steps; every_steps 0 (SampleParams' default), 250 (the examples'
+            # checkpoint and eval cadence), 500 (the README's samples example)
+            results[variant]["samples"] = sample_share(ours, spec["samples"], 2000, (0, 250, 500))
         print(json.dumps({variant: results[variant]}), flush=True)
     if args.profile:  # where each runner's GPU sat idle, next to the operator tables
         for trace in sorted(args.profile.glob("*.trace.json")):
@@ -295,6 +298,14 @@ def main() -> None:
             print(f"{variant:<14} {runner:<6} {r['step_seconds']:>8.3f} "
                   f"{(eager / r['step_seconds']) if eager else float('nan'):>14.2f} "
                   f"{(f'{mfu:.0%}' if mfu else '-'):>6} {r['max_memory_gb'] or '-':>8}")
+    if "samples" in results:
+        r = results["samples"]["samples"]
+        print(f"\nsamples: {r['renders']} renders of {len(SAMPLE_PROMPTS)} prompts x {args.sample_steps} steps at "
+              f"{shape['resolution']}x{shape['resolution']}: {r['seconds_per_render']:.2f} s each, "
+              f"{r['share_of_this_run']:.1%} of this {args.steps}-step run's wall time")
+        for key, share in r.items():
+            if key.startswith("share_at_"):
+                print(f"  {key}: {share:.1%}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
