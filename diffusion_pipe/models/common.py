@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -81,16 +82,18 @@ TOKENIZER_CORPUS = [
 ]
 
 
-def save_tiny_tokenizers(out_dir: Path) -> tuple[object, object]:
-    """Train a CLIP-style BPE and a T5-style Unigram tokenizer on a few sentences, no hub needed, and save them
-    to `out_dir/tokenizer` and `out_dir/tokenizer_2`. Returns (clip_tokenizer, t5_tokenizer)."""
+def save_tiny_tokenizers(out_dir: Path, corpus: Sequence[str] = TOKENIZER_CORPUS,
+                         vocab_sizes: tuple[int, int] = (300, 200)) -> tuple[object, object]:
+    """Train a CLIP-style BPE and a T5-style Unigram tokenizer on a few sentences (`corpus`, to vocabularies of
+    `vocab_sizes`), no hub needed, and save them to `out_dir/tokenizer` and `out_dir/tokenizer_2`. Returns
+    (clip_tokenizer, t5_tokenizer)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import CLIPTokenizer, T5TokenizerFast
 
     bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    bpe.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>",
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_sizes[0], special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>",
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     ))
     model = bpe.model
@@ -107,8 +110,8 @@ def save_tiny_tokenizers(out_dir: Path) -> tuple[object, object]:
 
     uni = Tokenizer(models.Unigram())
     uni.pre_tokenizer = pre_tokenizers.Metaspace()
-    uni.train_from_iterator(TOKENIZER_CORPUS, trainers.UnigramTrainer(
-        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+    uni.train_from_iterator(corpus, trainers.UnigramTrainer(
+        vocab_size=vocab_sizes[1], special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
     ))
     vocab_scores = json.loads(uni.to_str())["model"]["vocab"]
     t5 = T5TokenizerFast(vocab=[tuple(v) for v in vocab_scores], extra_ids=0, model_max_length=512)
