@@ -33,10 +33,11 @@ from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, chec
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
-from diffusion_pipe.train.lora import lora_state_dict
+from diffusion_pipe.train.lora import gather_lora
 from diffusion_pipe.train.objectives import mse_loss
 from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
 from diffusion_pipe.train.samples import TrainingSamples
+from diffusion_pipe.train.step_loras import StepLoras
 from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import (build_pipeline_module, check_dtype_supported, init_distributed,
                                            pipeline_stage)
@@ -89,8 +90,10 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
-    how many are kept do not change what is trained, so they are left out: changing them continues the run."""
-    cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples")
+    how many are kept do not change what is trained, so they are left out: changing them continues the run (as do
+    samples and the LoRAs written along the way)."""
+    cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
+               "save_lora_every_steps")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
@@ -117,13 +120,14 @@ def check_resumable(source: Path, identity: dict, force: bool) -> None:
 def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, encoded_path: Path, out_dir: Path,
                report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store,
                lineage_params: Params | None = None, resume_from: Path | None = None,
-               force: bool = False, samples_dir: Path | None = None) -> dict:
+               force: bool = False, samples_dir: Path | None = None, lora_formats: tuple[str, ...] = ()) -> dict:
     """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
     With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
     An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
     checkpoints, refused when its encoded table, model or parallel layout differ unless `force`.
     `train.samples` renders under `runs_root/samples/<run id>/`; every sample step's grid goes to `samples_dir`
-    at the end (train/samples.py)."""
+    at the end (train/samples.py). `train.save_lora_every_steps` writes the LoRA in `lora_formats` (diffusers when
+    empty) under `runs_root/loras/<run id>/` (train/step_loras.py)."""
     import deepspeed
 
     dist = init_distributed(train.device)
@@ -246,6 +250,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     samples = TrainingSamples.create(train.samples, train.steps, model, encode.text_max_length, adapter, store,
                                      denoiser, module, dist, train.pipeline_stages, dp_world,
                                      runs_root / "samples" / run_id, samples_dir, writer)
+    step_loras = StepLoras(train.save_lora_every_steps, train.steps, lora_formats, adapter, denoiser, module,
+                           dist.rank, train.lora_rank, train.lora_alpha, runs_root / "loras" / run_id, identity, run_id)
     samples_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dp_world
     evaluate(0)
     samples.render(state["step"])
@@ -286,6 +292,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
             if diverging:  # before any save: the last checkpoint stays the last good one
                 raise diverged(state["step"], loss, state["grad_norms"][-1], train, checkpoints.last_step,
                                checkpoint_dir)
+            step_loras.save(state["step"])
             if save_now:
                 save_checkpoint()
             if signum is not None:
@@ -307,7 +314,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if checkpoints.last_step != state["step"]:
         save_checkpoint()
 
-    lora = _gather_lora(denoiser, module)
+    lora = gather_lora(denoiser, module)
     report = {
         "run_id": run_id, "steps": state["step"], "resumed_from": resumed_from,
         "train_loss_first": state["losses"][0], "train_loss_last": state["losses"][-1],
@@ -441,21 +448,6 @@ def _mean_eval_loss(engine, batches: list, progress: tqdm, chunk: int = 8) -> fl
         total += float(engine.eval_batch(iter(part), num_micro_batches=len(part))) * len(part)
         progress.update(len(part))
     return total / len(batches)
-
-
-def _gather_lora(denoiser: torch.nn.Module, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every stage's LoRA weights, gathered on every rank (each stage owns only its own layers' weights)."""
-    import torch.distributed as tdist
-
-    mine = lora_state_dict(denoiser, only={id(p) for p in module.parameters()})
-    if not tdist.is_initialized() or tdist.get_world_size() == 1:
-        return mine
-    parts: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(parts, mine)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
 
 
 def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, train: TrainParams,

@@ -50,3 +50,19 @@ def lora_state_dict(model: nn.Module, only: set[int] | None = None) -> dict[str,
         if "lora_" in name and (only is None or id(param) in only):
             out[_PEFT_NAME.sub(r".\1.", name)] = param.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def gather_lora(denoiser: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every stage's LoRA weights, gathered on every rank (each stage owns only its own layers' weights); every
+    rank must call it at the same point."""
+    import torch.distributed as tdist
+
+    mine = lora_state_dict(denoiser, only={id(p) for p in module.parameters()})
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return mine
+    parts: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(parts, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged

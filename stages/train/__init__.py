@@ -27,4 +27,5 @@ def command(params, encoded: Path, out: Path, report: Path, loss_plot: Path, sam
     from diffusion_pipe.train.loop import train_lora
 
     train_lora(params.model, params.train, params.encode, encoded, out, report, loss_plot, runs, Store.default(),
-               lineage_params=params, resume_from=resume_from, force=force, samples_dir=samples)
+               lineage_params=params, resume_from=resume_from, force=force, samples_dir=samples,
+               lora_formats=params.export.formats)
