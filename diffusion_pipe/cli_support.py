@@ -43,9 +43,14 @@ def stage_command(name: str) -> Callable:
     def wrap(fn: Callable) -> click.Command:
         @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml",
                       show_default=True, help="The params file.")
+        # The DeepSpeed launcher passes --local_rank=N to every worker (unless --no_local_rank); it also sets
+        # LOCAL_RANK, which is what the stages read.
+        @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
         @functools.wraps(fn)
-        def run(params_path: Path, **kwargs) -> None:
+        def run(params_path: Path, local_rank: int | None, **kwargs) -> None:
             os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+            if local_rank is not None:
+                os.environ.setdefault("LOCAL_RANK", str(local_rank))
             from diffusion_pipe.dvcfile import require_deps
             from diffusion_pipe.params import load_params
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,8 @@ from diffusion_pipe.train.pipeline import Dist
 FORMAT = 1
 MANIFEST = "manifest.json"
 _OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "step")
+# How long a rank waits for another node's checkpoint files to appear on the shared filesystem before stopping.
+VISIBLE_WAIT_S = 10.0
 
 
 class CheckpointError(UserError):
@@ -177,9 +181,11 @@ class Checkpoints:
             written |= _publish(path, "rng.safetensors", save_deterministic(rng_tensors))
             written |= _publish(path, "state.json", _json_bytes(state))
         if self.dist.world > 1:
+            sizes = {name: (path / name).stat().st_size for name in written}
             parts: list = [None] * self.dist.world
-            torch.distributed.all_gather_object(parts, written)
-            written = {name: digest for part in parts for name, digest in part.items()}
+            torch.distributed.all_gather_object(parts, (socket.gethostname(), written, sizes))
+            written = {name: digest for _, part, _ in parts for name, digest in part.items()}
+            _check_visible(path, parts, self.dist)
         if rank == 0:
             write_json_atomic(path / MANIFEST, {"format": FORMAT, "step": step, "stages": self.stages,
                                                 "world": self.dist.world, "files": written})
@@ -250,6 +256,43 @@ class Checkpoints:
         engine = {key: getattr(self.engine, key) for key in ("global_steps", "global_samples", "skipped_steps")}
         return tensors, {"param_groups": groups, "loss_scaler": full["loss_scaler"],
                          "scheduler": self.scheduler.state_dict(), "engine": engine}
+
+
+def _check_visible(path: Path, parts: list[tuple[str, dict[str, str], dict[str, int]]], dist: Dist,
+                   wait_s: float = VISIBLE_WAIT_S) -> None:
+    """Every rank must see every file of the checkpoint in `path` (`parts`: by rank, the writer's host, files and
+    sizes), since every rank reads them all on resume. We assume runs/ is one filesystem that every node shares;
+    on node-local disks each node sees only its own files, and the run must stop here, before a manifest
+    vouches for files that rank 0's node does not have, with the same error on every rank. A shared filesystem
+    may show another node's new file a little late (NFS caches directory lookups), hence the wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        unseen = [(writer, host, name) for writer, (host, _, sizes) in enumerate(parts)
+                  for name, size in sizes.items() if not _has_size(path / name, size)]
+        if not unseen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    anyone = torch.tensor([int(bool(unseen))], dtype=torch.int32, device=dist.device)
+    torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
+    if not anyone.item():
+        return
+    reports: list = [None] * dist.world
+    torch.distributed.all_gather_object(reports, (socket.gethostname(), unseen))
+    lines = [f"rank {rank} on {host} does not see " + ", ".join(f"{name} (written by rank {writer} on {by})"
+                                                                 for writer, by, name in missing)
+             for rank, (host, missing) in enumerate(reports) if missing]
+    raise CheckpointError(f"{path}: checkpoint files written on one node are not visible on another: "
+                          + "; ".join(lines) + ". Every node must see the same runs/ directory (checkpoints are "
+                          "read by every rank on resume): put the repository, or --runs, on a filesystem that "
+                          "every node mounts (NFS, Lustre, ...); node-local disks cannot hold a multi-node run's "
+                          "checkpoints")
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
 
 
 def _publish(directory: Path, name: str, data: bytes) -> dict[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,56 @@ class Dist:
     device: torch.device
 
 
+def process_layout(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """(global rank, world size, local rank) as the launcher set them in `env`; (0, 1, 0) without a launcher.
+
+    The local rank picks this process's GPU on its node; the global rank its place in the pipeline topology. On
+    one node they coincide, on several they do not, so a launcher that sets RANK but not LOCAL_RANK is refused:
+    every process of a node would take GPU 0. Tasks that `srun` started without a launcher (no RANK, several
+    SLURM tasks) are refused too: each would train alone, as a world of one, and write the same outputs."""
+    from diffusion_pipe.config import ConfigError
+
+    if "RANK" not in env:
+        tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "1"
+        if tasks.isdigit() and int(tasks) > 1:
+            raise ConfigError(f"started as one of {tasks} Slurm tasks without RANK/WORLD_SIZE: each task would "
+                              "train alone. Run one task per node that starts the node's workers: `srun "
+                              "--ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES --nproc-per-node GPUS "
+                              "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m stages.train` (README: Several "
+                              "GPUs and nodes)")
+        return 0, 1, 0
+    try:
+        rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", ""))
+        local_rank = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else (0 if world == 1 else -1)
+    except ValueError as exc:
+        raise ConfigError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers ({exc}); check the launcher") from exc
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}; check the launcher's settings")
+    if local_rank < 0:
+        raise ConfigError(f"RANK={rank} of WORLD_SIZE={world} without LOCAL_RANK: every process of a node would "
+                          "take its GPU 0; launch through torchrun or the DeepSpeed launcher, which set it")
+    return rank, world, local_rank
+
+
+def process_device(use_cuda: bool, local_rank: int, gpus: int) -> torch.device:
+    """The device of the process with `local_rank` on a node with `gpus` GPUs: GPU `local_rank` (never the
+    global rank, which exceeds a node's GPU count on every node but the first), or the CPU."""
+    if not use_cuda:
+        return torch.device("cpu")
+    if local_rank >= gpus:
+        from diffusion_pipe.config import ConfigError
+
+        raise ConfigError(f"LOCAL_RANK={local_rank}, but this node has {gpus} GPU(s): launch at most {gpus} "
+                          "processes per node (--nproc-per-node, or the slots of this host in the hostfile)")
+    return torch.device("cuda", local_rank)
+
+
+def process_placement(env: Mapping[str, str], use_cuda: bool, gpus: int) -> tuple[int, int, int, torch.device]:
+    """(global rank, world size, local rank, device) of this process, from the launcher's `env`."""
+    rank, world, local_rank = process_layout(env)
+    return rank, world, local_rank, process_device(use_cuda, local_rank, gpus)
+
+
 def init_distributed(device_name: str) -> Dist:
     """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU."""
     use_cuda = resolve_device(device_name, "train.device").type == "cuda"
@@ -34,9 +84,10 @@ def init_distributed(device_name: str) -> Dist:
     import deepspeed
 
     backend = "nccl" if use_cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world, local_rank, device = process_placement(os.environ, use_cuda,
+                                                        torch.cuda.device_count() if use_cuda else 0)
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(device)
         # cuDNN's attention backend hit an illegal memory access in a Flux backward on the H200 (NOTES.md);
         # flash/efficient SDPA kernels remain.
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -53,8 +104,7 @@ def init_distributed(device_name: str) -> Dist:
         # not need it. The module name clashes with torch, hence importlib.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
-                device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=device)
 
 
 def check_dtype_supported(dtype: str) -> None:
