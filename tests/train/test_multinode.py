@@ -99,7 +99,8 @@ def test_checkpoints_on_node_local_disks_stop_the_run_with_an_error(encoded, tmp
     naming the files it cannot see and the fix, and no manifest vouches for a checkpoint rank 0 cannot read."""
     repo, store = encoded
     params = repo / "local-runs.yaml"
-    params.write_text((repo / "params.yaml").read_text().replace("steps: 3", "steps: 3\n  checkpoint_every_steps: 1"))
+    text = (repo / "params.yaml").read_text()
+    params.write_text(text.replace("steps: 3", "steps: 3\n  checkpoint_every_steps: 1"))
     outs, runs = [tmp_path / "out0", tmp_path / "out1"], [tmp_path / "runs0", tmp_path / "runs1"]
 
     results = two_nodes(torchrun_node, repo, store, outs, runs, "--params", str(params))
