@@ -274,7 +274,7 @@ class TrainParams:
         "pipeline_stages": _AT_LEAST_1, "blocks_to_swap": _AT_LEAST_0, "max_gpu_memory_gb": _AT_LEAST_0,
         "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
         "eval_every_steps": _AT_LEAST_0, "eval_timesteps": Range(0, 1),  # a fraction of the noise schedule
-        "save_lora_every_steps": _AT_LEAST_0,
+        "save_lora_every_steps": _AT_LEAST_0, "caption_dropout": Range(0, 1),
     }
 
     seed: int = 0
@@ -310,6 +310,9 @@ class TrainParams:
     keep_checkpoints: int = 0  # keep only the newest N checkpoints of a run (0: keep all)
     # also write the LoRA every N steps (0: never) in export.formats, to runs/loras/<run id>/ (train/step_loras.py)
     save_lora_every_steps: int = 0
+    # the probability that a training sample takes the empty caption's embedding instead of its own (keeps
+    # classifier-free guidance working); encode embeds the empty caption when this is > 0
+    caption_dropout: float = 0.0
     eval_every_steps: int = 0  # 0: only at the start and the end
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     samples: SampleParams = field(default_factory=SampleParams)  # images rendered as training goes

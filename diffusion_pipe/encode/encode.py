@@ -304,7 +304,8 @@ def _check_reused(store: Store, wanted: dict[str, list[str]], counts: dict[str, 
 
 def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, manifest_path: Path,
                     encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
-                    workers: WorkerLayout | None = None, sample_prompts: tuple[SamplePrompt, ...] = ()) -> dict:
+                    workers: WorkerLayout | None = None, sample_prompts: tuple[SamplePrompt, ...] = (),
+                    caption_dropout: float = 0.0) -> dict:
     """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
     upload what was computed; write the encoded table and the report (rank 0). Returns the report.
 
@@ -312,7 +313,8 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
     keys and rank 0 waits for all of them before writing the outputs. The texts of `sample_prompts` (resolved
     `train.samples` prompts, as the adapter's `sample_texts` names them) are embedded into the store like captions, for training to render samples without its text encoders; they are
-    not rows of the encoded table.
+    not rows of the encoded table. With `caption_dropout` > 0 (train.caption_dropout) the empty caption is embedded
+    the same way, for training to swap in (train/caption_dropout.py).
     """
     started = time.perf_counter()
     workers = workers or WorkerLayout.from_env()
@@ -325,7 +327,8 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
 
     first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key
     captions = {s.text_key: s.caption for s in samples}
-    prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)})
+    empty = {""} if caption_dropout else set()  # the caption that dropped samples take
+    prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)} | empty)
     captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,
                                                                prompt_texts).items()}
     wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}

@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 import torch
@@ -27,6 +28,9 @@ from diffusion_pipe.store.pack import REPAIR_HINT
 from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
                                              min_snr_weights, offset_noise, quantile_to_discrete,
                                              sample_discrete_timesteps, sample_timesteps)
+
+if TYPE_CHECKING:
+    from diffusion_pipe.train.caption_dropout import CaptionDropout
 
 
 class DataError(UserError):
@@ -135,8 +139,10 @@ class MicroBatches:
 
     def __init__(self, rows: list[Row], store: Store, adapter: Adapter, *, micro_batch_size: int, seed: int,
                  dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
-                 noise_offset: float = 0.0, min_snr_gamma: float = 0.0) -> None:
+                 noise_offset: float = 0.0, min_snr_gamma: float = 0.0,
+                 caption_dropout: CaptionDropout | None = None) -> None:
         self.rows, self.store, self.adapter = rows, store, adapter
+        self.caption_dropout = caption_dropout  # train/caption_dropout.py; training batches only, never eval
         self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
         self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
         self.noise_offset, self.min_snr_gamma = noise_offset, min_snr_gamma
@@ -166,19 +172,23 @@ class MicroBatches:
         epoch, offset = divmod(position, self.batches_per_epoch)
         return self._rank_batches(epoch)[offset]
 
-    def load(self, indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Normalised latents (B, ...) and stacked text conditioning for rows `indices`."""
+    def load(self, indices: list[int], text_keys: list[str] | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Normalised latents (B, ...) and stacked text conditioning for rows `indices` (of `text_keys`, when
+        given, instead of the rows' own)."""
         latents = torch.stack([self.store.get("latent", self.rows[i].latent_key)["latents"] for i in indices])
-        texts = [self.store.get("text", self.rows[i].text_key) for i in indices]
+        texts = [self.store.get("text", k) for k in text_keys or [self.rows[i].text_key for i in indices]]
         text = {name: torch.stack([t[name] for t in texts]) for name in texts[0]}
         return self.adapter.normalise_latents(latents.float()), text
 
-    def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None):
+    def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None,
+             text_keys: list[str] | None = None):
         """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,), or
         (target, per-sample loss weights) with min-SNR weighting. `timesteps`, when given (eval), are fractions
         of the noise schedule in [0, 1], mapped to the adapter's objective; otherwise they are sampled (and only
-        then do noise offset and loss weights apply, so eval losses stay comparable across runs)."""
-        latents, text = self.load(indices)
+        then do noise offset and loss weights apply, so eval losses stay comparable across runs). `text_keys`
+        replace the rows' captions (caption dropout)."""
+        latents, text = self.load(indices, text_keys)
         noise = torch.randn(latents.shape, generator=generator)
         if self.noise_offset and timesteps is None:
             noise = offset_noise(noise, self.noise_offset, generator)
@@ -195,7 +205,10 @@ class MicroBatches:
         """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
         generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
                                                       16))
-        return self.make(self.indices_at(position), generator)
+        indices = self.indices_at(position)
+        keys = [self.rows[i].text_key for i in indices]
+        dropped = self.caption_dropout.text_keys(self.dp_rank, position, keys) if self.caption_dropout else None
+        return self.make(indices, generator, text_keys=dropped)
 
 
 class Prefetcher:

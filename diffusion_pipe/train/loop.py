@@ -31,6 +31,7 @@ from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows,
                                        steps_for_epochs)
 from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
 from diffusion_pipe.train.lora import gather_lora
@@ -135,6 +136,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
     check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)
+    caption_dropout = CaptionDropout.create(train.caption_dropout, train.seed, adapter, model, encode.text_max_length,
+                                            store)
 
     torch.manual_seed(train.seed)
     if dist.world % train.pipeline_stages:
@@ -194,8 +197,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     loader = Prefetcher(MicroBatches(
         train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
-        guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma), dist.device,
-        position=state["position"])
+        guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma,
+        caption_dropout=caption_dropout), dist.device, position=state["position"])
     eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
                                dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
                                guidance=train.guidance) if eval_rows else None

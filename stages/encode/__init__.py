@@ -17,4 +17,5 @@ def command(params, manifest: Path, encoded: Path, report: Path) -> None:
     from diffusion_pipe.store import Store
 
     encode_manifest(params.model, params.scan, params.encode, manifest, encoded, report, Store.default(),
-                    sample_prompts=params.train.samples.resolved())
+                    sample_prompts=params.train.samples.resolved(),
+                    caption_dropout=params.train.caption_dropout)
