@@ -63,3 +63,23 @@ def make_moving_shapes_videos(out_dir: str | Path, frames: int, size: int = 64, 
                     fps=fps)
         (out / f"v{i}_{name}.txt").write_text(f"a {name} square moving right\n", encoding="utf-8")
     return len(COLOURS)
+
+
+def make_edit_dataset(out_dir: str | Path, control_dir: str | Path, wide_every: int = 4) -> int:
+    """An edit dataset (edit families' tiny examples): per (shape, colour, background), a control image of the
+    shape in that colour, and a target of the same shape in the next colour, captioned with the instruction
+    ('make the circle green'): targets and captions in `out_dir`, control images under the same names in
+    `control_dir`. Sizes as in `make_shapes_dataset`. Returns the number of pairs written."""
+    out, control = Path(out_dir), Path(control_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    control.mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    combos = list(itertools.product(SHAPES, COLOURS, BACKGROUNDS))
+    for i, (shape, colour, bg) in enumerate(combos):
+        size = (96, 64) if wide_every and i % wide_every == wide_every - 1 else (64, 64)
+        new = names[(names.index(colour) + 1) % len(names)]
+        stem = f"{i:03d}_{shape}_{colour}_to_{new}_on_{bg}"
+        _draw(shape, COLOURS[colour], BACKGROUNDS[bg], size).save(control / f"{stem}.png", optimize=True)
+        _draw(shape, COLOURS[new], BACKGROUNDS[bg], size).save(out / f"{stem}.png", optimize=True)
+        (out / f"{stem}.txt").write_text(f"make the {shape} {new}\n", encoding="utf-8")
+    return len(combos)

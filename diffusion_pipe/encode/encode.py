@@ -48,6 +48,9 @@ ENCODED_SCHEMA = pa.schema([
     ("latent_key", pa.string()),
     ("text_key", pa.string()),
 ])
+# Edit families' tables add the latent keys of each sample's control images. Only theirs: a column every table
+# carried would change the bytes of every existing table, and so retrain every existing run once, for nothing.
+CONDITIONING_FIELD = pa.field("conditioning_latent_keys", pa.list_(pa.string()))
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,49 @@ class Sample:
     latent_key: str
     text_key: str
     media: str = "image"  # 'image' | 'video', as the scan measured it (animated GIF/WebP are videos)
+    control_paths: tuple[str, ...] = ()  # its control images, relative to the dataset's control directory
+    conditioning_keys: tuple[str, ...] = ()  # their latent keys, at this sample's bucket
 
     @property
     def sample_id(self) -> str:
         return f"{self.dataset}/{self.path}@{self.bucket}"
+
+
+@dataclass(frozen=True)
+class LatentSource:
+    """What one latent entry is encoded from: a media file (an item, or a control image) at a bucket."""
+
+    key: str
+    path: Path
+    media: str
+    bucket: str
+
+
+def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots: dict[str, Path]
+                   ) -> dict[str, LatentSource]:
+    """Every latent key the samples need (items' and control images'), each with the first source naming it
+    (the same bytes at the same bucket give the same key, whichever file they are in)."""
+    out: dict[str, LatentSource] = {}
+    for s in samples:
+        out.setdefault(s.latent_key, LatentSource(s.latent_key, roots[s.dataset] / s.path, s.media, s.bucket))
+        for path, key in zip(s.control_paths, s.conditioning_keys):
+            out.setdefault(key, LatentSource(key, control_roots[s.dataset] / path, "image", s.bucket))
+    return out
+
+
+def check_conditioning(row: dict, adapter: Adapter) -> None:
+    """An item has as many control images as the family trains on per sample (the scan already excluded items
+    whose control image is missing or unusable); else a ConfigError naming the dataset param to fix."""
+    wanted, got = adapter.capabilities.conditioning_latents, len(row.get("control_hashes") or ())
+    if got == wanted:
+        return
+    if not wanted:
+        raise ConfigError(f"scan.datasets: dataset {row['dataset']!r} has control images (`control`), but model "
+                          f"family '{adapter.name}' trains on none; remove `control` from it, or set model.family "
+                          "to an edit family (`diffusion-pipe models`, task edit)")
+    raise ConfigError(f"scan.datasets: dataset {row['dataset']!r} has {got} control image(s) per item, but model "
+                      f"family '{adapter.name}' trains on {wanted}: an edit family trains on (control, target) "
+                      "pairs; set `control` on the dataset to the directory of its control images")
 
 
 def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
@@ -94,6 +136,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     for row in manifest.to_pylist():
         if row["status"] != "ok":
             continue
+        check_conditioning(row, adapter)
         tkey = text_key(caption=row["caption"], template=template, encoder_hashes=encoder_hashes,
                         tokenizer_hashes=tokenizer_hashes, max_length=encode.text_max_length, dtype=model.dtype)
         for bucket in row["buckets"]:
@@ -106,8 +149,14 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                 )
             lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
                               frames=frames_spec(row["media"], frames), vae_hash=vae_hash, vae_dtype=model.dtype)
+            # A control image is resized to its target's bucket and keyed as any image latent: by its own bytes,
+            # so editing one control image recomputes that one latent.
+            ckeys = tuple(latent_key(content_hash=h, bucket=bucket, resize=RESIZE_SPEC, vae_hash=vae_hash,
+                                     vae_dtype=model.dtype, frames=frames_spec("image", 1))
+                          for h in row.get("control_hashes") or ())
             samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
-                                  row["content_hash"], row["caption"], lkey, tkey, row["media"]))
+                                  row["content_hash"], row["caption"], lkey, tkey, row["media"],
+                                  tuple(row.get("control_paths") or ()), ckeys))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
@@ -162,7 +211,7 @@ class _BackgroundAdd:
             raise self._error
 
 
-def _batches_by_bucket(samples: list[Sample], batch_size: int) -> list[list[int]]:
+def _batches_by_bucket(samples: list[LatentSource], batch_size: int) -> list[list[int]]:
     """Index batches of `samples` (sorted by bucket), each within one bucket: one loader serves every bucket, so
     decoding workers start once and keep the encoder fed across bucket boundaries."""
     batches: list[list[int]] = []
@@ -174,14 +223,14 @@ def _batches_by_bucket(samples: list[Sample], batch_size: int) -> list[list[int]
     return batches
 
 
-def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path], store: Store,
-                    encode: EncodeParams, device: torch.device) -> tuple[int, list[str], float]:
+def _encode_latents(adapter: Adapter, todo: list[LatentSource], store: Store, encode: EncodeParams,
+                    device: torch.device) -> tuple[int, list[str], float]:
     """Compute and publish the latents of `todo`; returns (entries written, pack ids published, seconds spent
     encoding and writing, without loading the model)."""
     vae = adapter.load_vae(device)
     started = time.perf_counter()
-    todo = sorted(todo, key=lambda s: (s.bucket, s.latent_key))
-    items = [(roots[s.dataset] / s.path, s.media, s.bucket) for s in todo]
+    todo = sorted(todo, key=lambda s: (s.bucket, s.key))
+    items = [(s.path, s.media, s.bucket) for s in todo]
     loader = torch.utils.data.DataLoader(
         _PixelSet(items), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if encode.workers else None,
@@ -193,7 +242,7 @@ def _encode_latents(adapter: Adapter, todo: list[Sample], roots: dict[str, Path]
             pixels = to_unit_range(pixels_uint8.to(device, non_blocking=True))
             with torch.no_grad():
                 entries = adapter.encode_media(vae, pixels)
-            yield [(s.latent_key, e) for s, e in zip(todo[done:done + len(entries)], entries)]
+            yield [(s.key, e) for s, e in zip(todo[done:done + len(entries)], entries)]
             done += len(entries)
 
     written, packs = _publish(store, "latent", encode, batches(), len(todo), "encode latents", "item")
@@ -236,11 +285,14 @@ def _publish(store: Store, family: str, encode: EncodeParams, batches: Iterator[
 
 
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
-    """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted)."""
+    """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted); with
+    control images, their latent keys in one more column (CONDITIONING_FIELD)."""
+    conditioned = any(s.conditioning_keys for s in samples)
     table = pa.Table.from_pylist(
         [{"sample_id": s.sample_id, "dataset": s.dataset, "path": s.path, "bucket": s.bucket, "split": s.split,
-          "repeats": s.repeats, "latent_key": s.latent_key, "text_key": s.text_key} for s in samples],
-        schema=ENCODED_SCHEMA,
+          "repeats": s.repeats, "latent_key": s.latent_key, "text_key": s.text_key,
+          **({CONDITIONING_FIELD.name: list(s.conditioning_keys)} if conditioned else {})} for s in samples],
+        schema=ENCODED_SCHEMA.append(CONDITIONING_FIELD) if conditioned else ENCODED_SCHEMA,
     )
     with atomic_writer(path) as fh:
         pq.write_table(table, fh, compression="zstd", write_statistics=False, store_schema=False)
@@ -322,16 +374,17 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     adapter = load_adapter(model)
     samples = plan_samples(manifest, adapter, model, encode)
     roots = {d.manifest_name: Path(d.path) for d in scan.datasets}
+    control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
     device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
 
-    first_of_latent = {s.latent_key: s for s in reversed(samples)}  # the first sample of each latent key
+    sources = latent_sources(samples, roots, control_roots)
     captions = {s.text_key: s.caption for s in samples}
     empty = {""} if caption_dropout else set()  # the caption that dropped samples take
     prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)} | empty)
     captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,
                                                                prompt_texts).items()}
-    wanted = {"latent": sorted(first_of_latent), "text": sorted(captions)}
+    wanted = {"latent": sorted(sources), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}
     # The lease lasts until the table naming the entries is published: gc keeps nothing it does not see named
@@ -353,10 +406,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
         packs: dict[str, list[str]] = {}
         t0 = time.perf_counter()
         if todo["latent"]:
-            latent_todo = [first_of_latent[k] for k in todo["latent"]]
             c = counts["latent"]
-            c.computed, packs["latent"], c.encode_seconds = _encode_latents(adapter, latent_todo, roots, store,
-                                                                            encode, device)
+            c.computed, packs["latent"], c.encode_seconds = _encode_latents(
+                adapter, [sources[k] for k in todo["latent"]], store, encode, device)
         t1 = time.perf_counter()
         if todo["text"]:
             c = counts["text"]
@@ -388,6 +440,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     report = {
         "samples": len(samples),
         "samples_by_split": {split: sum(s.split == split for s in samples) for split in ("train", "eval")},
+        "conditioning_latents": len({k for s in samples for k in s.conditioning_keys}),
         **{fam: c.as_report() for fam, c in counts.items()},
         "remote": remote.url if remote is not None else None,
         "workers": workers.world,

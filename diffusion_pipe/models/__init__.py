@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
+    "flux_kontext": "diffusion_pipe.models.flux_kontext:FluxKontextAdapter",
     "hunyuan_video": "diffusion_pipe.models.hunyuan_video:HunyuanVideoAdapter",
     "hunyuan_video15": "diffusion_pipe.models.hunyuan_video15:HunyuanVideo15Adapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",

@@ -27,10 +27,13 @@ class Capabilities:
     """What a family can train on and export to."""
 
     media: tuple[str, ...]  # "image", "video"
-    tasks: tuple[str, ...]  # "t2i", "t2v", "i2v"
+    tasks: tuple[str, ...]  # "t2i", "t2v", "i2v", "edit"
     objective: str  # "flow", "epsilon", "v": the default; a checkpoint may pick another (`Adapter.objective`)
     export_formats: tuple[str, ...]
     objectives: tuple[str, ...] = ()  # every objective the family trains with; empty: just `objective`
+    # Conditioning latents each sample carries besides its target: the control / reference images of an edit
+    # family (scan.datasets[].control), later an i2v family's first frame. 0: the family takes none.
+    conditioning_latents: int = 0
 
     @property
     def all_objectives(self) -> tuple[str, ...]:
@@ -40,10 +43,12 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Batch:
-    """One micro-batch as the objective sees it: clean latents (normalised) and the text conditioning."""
+    """One micro-batch as the objective sees it: clean latents (normalised), the text conditioning, and the
+    conditioning latents (normalised, one (B, ...) tensor per slot, each in the target's bucket and never noised)."""
 
     latents: torch.Tensor
     text: TensorDict
+    conditioning: tuple[torch.Tensor, ...] = ()
 
 
 class Adapter(ABC):
@@ -184,9 +189,22 @@ class Adapter(ABC):
         """The tuple the first pipeline layer takes. `timesteps` are in the objective's units: flow matching
         t in [0, 1]; epsilon and v prediction the discrete DDPM timestep (0 .. N-1, as floats)."""
 
+    def conditioned_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
+                           guidance: float, conditioning: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The first layer's tuple for a micro-batch with its conditioning latents (`Batch.conditioning`, as many
+        as `capabilities.conditioning_latents`): what training calls. A family that takes conditioning overrides
+        this and places them (Kontext: packed tokens after the target's, with their own position ids; they travel
+        through every pipeline layer with the target's and `prediction_to_latents` drops them before the loss).
+        The default is `model_inputs`, for families that take none."""
+        if len(conditioning) != self.capabilities.conditioning_latents:
+            raise ValueError(f"family '{self.name}' takes {self.capabilities.conditioning_latents} conditioning "
+                             f"latents per sample, got {len(conditioning)}")
+        return self.model_inputs(noisy_latents, timesteps, text, guidance)
+
     @abstractmethod
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Reshape the last layer's output to the latent layout of `like` (e.g. unpack Flux tokens)."""
+        """Reshape the last layer's output to the latent layout of `like` (e.g. unpack Flux tokens), dropping
+        any output that is not the target's (conditioning tokens)."""
 
     # ---- export side -------------------------------------------------------------------------------
     @abstractmethod
@@ -203,7 +221,9 @@ class Adapter(ABC):
         """The family's diffusers pipeline class: training samples and the `sample` stage render with it."""
         from diffusion_pipe.config import ConfigError
 
-        raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet; "
+        why = (" (an edit family renders from a control image per prompt, which sample prompts cannot name yet)"
+               if self.capabilities.conditioning_latents else "")
+        raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet{why}; "
                           "leave the prompts empty")
 
     def sample_size_multiple(self) -> int:

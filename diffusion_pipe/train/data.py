@@ -22,7 +22,7 @@ import torch
 from diffusion_pipe.bucket_labels import parse_bucket
 from diffusion_pipe.errors import UserError
 from diffusion_pipe.hashing import hash_json
-from diffusion_pipe.models.base import Adapter, Spec
+from diffusion_pipe.models.base import Adapter, Batch, Spec
 from diffusion_pipe.store import Store
 from diffusion_pipe.store.pack import REPAIR_HINT
 from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
@@ -44,12 +44,15 @@ class Row:
     repeats: int
     latent_key: str
     text_key: str
+    conditioning_keys: tuple[str, ...] = ()  # latent entries of its control images (edit families)
 
 
 def read_rows(encoded_path, split: str) -> list[Row]:
-    """Rows of one split of the encoded table, in table order."""
+    """Rows of one split of the encoded table, in table order (a table without conditioning has no column
+    for it: encode.py's `write_encoded_table`)."""
     table = pq.read_table(encoded_path)
-    return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"])
+    return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"],
+                tuple(r.get("conditioning_latent_keys") or ()))
             for r in table.to_pylist() if r["split"] == split]
 
 
@@ -58,10 +61,17 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
     the key and both shapes (never a tensor-shape error deep inside the model)."""
     text_spec = adapter.text_spec(text_max_length)
     specs: dict[str, Spec] = {}
+    wanted = adapter.capabilities.conditioning_latents
     for row in rows:
+        if len(row.conditioning_keys) != wanted:
+            raise DataError(f"sample {row.sample_id} has {len(row.conditioning_keys)} control image(s), but model "
+                            f"family '{adapter.name}' trains on {wanted} per sample; re-run encode with the same "
+                            "model params as train")
         if row.bucket not in specs:
             specs[row.bucket] = adapter.latent_spec(*parse_bucket(row.bucket))
+        # control images are encoded at their target's bucket: the same latent spec
         for family, key, expected in (("latent", row.latent_key, specs[row.bucket]),
+                                      *(("latent", k, specs[row.bucket]) for k in row.conditioning_keys),
                                       ("text", row.text_key, text_spec)):
             if not store.contains(family, key):
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
@@ -172,14 +182,19 @@ class MicroBatches:
         epoch, offset = divmod(position, self.batches_per_epoch)
         return self._rank_batches(epoch)[offset]
 
-    def load(self, indices: list[int], text_keys: list[str] | None = None
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Normalised latents (B, ...) and stacked text conditioning for rows `indices` (of `text_keys`, when
-        given, instead of the rows' own)."""
-        latents = torch.stack([self.store.get("latent", self.rows[i].latent_key)["latents"] for i in indices])
-        texts = [self.store.get("text", k) for k in text_keys or [self.rows[i].text_key for i in indices]]
+    def _latents(self, keys: list[str]) -> torch.Tensor:
+        return self.adapter.normalise_latents(torch.stack([self.store.get("latent", k)["latents"]
+                                                           for k in keys]).float())
+
+    def load(self, indices: list[int], text_keys: list[str] | None = None) -> Batch:
+        """Normalised latents (B, ...), stacked text conditioning and normalised conditioning latents (one (B, ...)
+        per slot) for rows `indices`."""
+        rows = [self.rows[i] for i in indices]
+        texts = [self.store.get("text", k) for k in text_keys or [row.text_key for row in rows]]
         text = {name: torch.stack([t[name] for t in texts]) for name in texts[0]}
-        return self.adapter.normalise_latents(latents.float()), text
+        conditioning = tuple(self._latents([row.conditioning_keys[slot] for row in rows])
+                             for slot in range(len(rows[0].conditioning_keys)))
+        return Batch(self._latents([row.latent_key for row in rows]), text, conditioning)
 
     def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None,
              text_keys: list[str] | None = None):
@@ -188,12 +203,14 @@ class MicroBatches:
         of the noise schedule in [0, 1], mapped to the adapter's objective; otherwise they are sampled (and only
         then do noise offset and loss weights apply, so eval losses stay comparable across runs). `text_keys`
         replace the rows' captions (caption dropout)."""
-        latents, text = self.load(indices, text_keys)
+        batch = self.load(indices, text_keys)
+        latents = batch.latents
         noise = torch.randn(latents.shape, generator=generator)
         if self.noise_offset and timesteps is None:
             noise = offset_noise(noise, self.noise_offset, generator)
         noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
-        inputs = self.adapter.model_inputs(noised.noisy, noised.timesteps, text, self.guidance)
+        inputs = self.adapter.conditioned_inputs(noised.noisy, noised.timesteps, batch.text, self.guidance,
+                                                 batch.conditioning)
         target = noised.target.to(inputs[0].dtype)
         if self.min_snr_gamma and timesteps is None:
             weights = min_snr_weights(_alphas_cumprod(self.adapter), noised.timesteps, self.min_snr_gamma,

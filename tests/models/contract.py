@@ -20,7 +20,7 @@ from diffusion_pipe.train.data import noise_latents
 from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
 
 MEDIA = {"image", "video"}
-TASKS = {"t2i", "t2v", "i2v"}
+TASKS = {"t2i", "t2v", "i2v", "edit"}
 OBJECTIVES = {"flow", "epsilon", "v"}
 
 
@@ -150,13 +150,38 @@ class AdapterContract:
             assert any(n == suffix or n.endswith(f".{suffix}") for n in names), suffix
         assert {k.rsplit(".lora_", 1)[0] for k in lora_model[1]} == set(names)
 
-    def _inputs(self, adapter, batch: int = 2, seed: int = 0):
+    def _inputs(self, adapter, batch: int = 2, seed: int = 0, conditioning_seed: int = 100):
+        """(clean latents, noised, first-layer inputs) of a random micro-batch, with random conditioning latents
+        (edit families' control images, in the target's bucket) as training feeds them."""
         width, height, frames = self.media_sizes[-1]
-        latents = random_like_spec(adapter.latent_spec(width, height, frames), batch, seed)["latents"]
+        spec = adapter.latent_spec(width, height, frames)
+        latents = random_like_spec(spec, batch, seed)["latents"]
         text = random_like_spec(adapter.text_spec(self.text_max_length), batch, seed + 1)
+        conditioning = tuple(random_like_spec(spec, batch, conditioning_seed + i)["latents"]
+                             for i in range(adapter.capabilities.conditioning_latents))
         g = torch.Generator().manual_seed(seed)
         noised = noise_latents(adapter, latents, torch.randn(latents.shape, generator=g), None, "uniform", 1.0, g)
-        return latents, noised, adapter.model_inputs(noised.noisy, noised.timesteps, text, guidance=1.0)
+        return latents, noised, adapter.conditioned_inputs(noised.noisy, noised.timesteps, text, 1.0, conditioning)
+
+    def test_conditioning_latents_reach_the_prediction(self, adapter, lora_model):
+        """A family's conditioning latents (control images) change the target's prediction, which keeps the
+        target's shape; a family without any refuses them."""
+        denoiser, _ = lora_model
+        if not adapter.capabilities.conditioning_latents:
+            latents, noised, _ = self._inputs(adapter)
+            with pytest.raises(ValueError, match="conditioning latents per sample, got 1"):
+                adapter.conditioned_inputs(noised.noisy, noised.timesteps, {}, 1.0, (latents,))
+            return
+        predictions = []
+        for conditioning_seed in (100, 200):
+            latents, _, inputs = self._inputs(adapter, seed=7, conditioning_seed=conditioning_seed)
+            x = inputs
+            with torch.no_grad():
+                for layer in adapter.pipeline_layers(denoiser):
+                    x = layer(x)
+            predictions.append(adapter.prediction_to_latents(x, latents))
+        assert predictions[0].shape == latents.shape
+        assert (predictions[0] - predictions[1]).abs().max() > 1e-4
 
     def test_pipeline_layers_equal_unsplit_forward(self, adapter, lora_model):
         denoiser, _ = lora_model
