@@ -38,8 +38,8 @@ def outputs(out: Path, runs: Path) -> list[str]:
 
 def two_nodes(launch, repo: Path, store: Path, outs: list[Path], runs: list[Path],
               *extra: str) -> list[subprocess.CompletedProcess]:
-    """Start both "nodes" (`launch(node_rank, port)` is one node's launcher command, up to the module) at once, each with its own
-    output paths and checkpoint directory; wait for both."""
+    """Start both "nodes" at once (`launch(node_rank, port)`: one node's launcher command, up to the module), each
+    with its own output paths and checkpoint directory; wait for both."""
     port = free_port()
     procs = [subprocess.Popen([*launch(node, port), "stages.train", *extra,
                                *outputs(outs[node], runs[node])],
