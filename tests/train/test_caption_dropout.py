@@ -93,6 +93,7 @@ def test_dropout_1_gives_every_sample_the_empty_caption(encoded, monkeypatch):
     share = sum(k == empty for d in draws for k in d) / (20 * len(keys))
     assert 0.35 < share < 0.65
     assert draws == [create(0.5).text_keys(0, p, keys) for p in range(20)]
+    assert len({tuple(d) for d in draws}) == 20  # each position draws anew
     assert half.text_keys(1, 0, keys) != draws[0]  # data-parallel ranks draw their own
 
 
