@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from tests.conftest import REPO, make_pipeline_repo
@@ -22,6 +23,7 @@ def _counts(latent: tuple[int, int], text: tuple[int, int]) -> dict[str, dict[st
             for fam, (c, r) in (("latent", latent), ("text", text))}
 
 
+@pytest.mark.slow  # about 70 s here: three encode runs through dvc repro
 def test_editing_one_control_image_recomputes_only_its_latent(tmp_path: Path) -> None:
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store)
