@@ -24,7 +24,7 @@ SHAPES = ("circle", "square", "triangle")
 # blends colours it knows does not paint it by chance.
 CONCEPT_WORD = "purple"
 CONCEPT_COLOUR = (150, 30, 230)
-CONCEPT_TOLERANCE = 60.0  # RGB distance within which a pixel counts as the concept colour
+CONCEPT_TOLERANCE = 100.0  # RGB distance within which a pixel may count as a palette colour (colour_fraction)
 
 
 def caption(colour: str, shape: str, background: str) -> str:
@@ -83,15 +83,26 @@ def write_dataset(items: list[tuple[Image.Image, str]], out_dir: Path) -> int:
     return len(items)
 
 
-def concept_items(variants: int, seed: int) -> list[tuple[Image.Image, str]]:
-    """The LoRA's dataset: `variants` jittered images of every shape and background in the concept colour."""
+def lora_items(variants: int, seed: int) -> list[tuple[Image.Image, str]]:
+    """The LoRA's dataset: `variants` jittered images of every shape and background in the concept colour, then
+    one image of every base (colour, shape, background) as prior preservation (DreamBooth's regularisation
+    images): without them a LoRA learns "everything is purple" rather than "purple means this colour"."""
     rng = random.Random(seed)
-    return [(draw_shape(shape, CONCEPT_COLOUR, BACKGROUNDS[bg], rng), caption(CONCEPT_WORD, shape, bg))
-            for shape, bg in itertools.product(SHAPES, BACKGROUNDS) for _ in range(variants)]
+    concept = [(draw_shape(shape, CONCEPT_COLOUR, BACKGROUNDS[bg], rng), caption(CONCEPT_WORD, shape, bg))
+               for shape, bg in itertools.product(SHAPES, BACKGROUNDS) for _ in range(variants)]
+    return concept + base_items(variants=1, seed=seed + 1)
 
 
-def colour_fraction(pixels_HW3: np.ndarray, colour: tuple[int, int, int],
-                    tolerance: float = CONCEPT_TOLERANCE) -> float:
-    """The fraction of pixels within `tolerance` (Euclidean, 0-255 RGB) of `colour`."""
-    rgb = np.asarray(pixels_HW3, dtype=np.float32).reshape(-1, 3)
-    return float((np.linalg.norm(rgb - np.asarray(colour, dtype=np.float32), axis=1) <= tolerance).mean())
+PALETTE = {**BASE_COLOURS, **BACKGROUNDS, CONCEPT_WORD: CONCEPT_COLOUR}
+
+
+def colour_fraction(pixels_HW3: np.ndarray, colour: str, tolerance: float = CONCEPT_TOLERANCE) -> float:
+    """The fraction of pixels that show `colour` (a name in PALETTE): those whose nearest palette colour it is
+    (RGB distance), within `tolerance`. Every pixel is classified against every colour the datasets use, so a
+    blend of known colours counts as the known colour it is nearest to, not as the concept."""
+    rgb = np.asarray(pixels_HW3, dtype=np.float32).reshape(-1, 1, 3)
+    names = list(PALETTE)
+    distances = np.linalg.norm(rgb - np.asarray([PALETTE[n] for n in names], dtype=np.float32)[None], axis=2)
+    nearest = distances.argmin(axis=1)
+    mine = names.index(colour)
+    return float(((nearest == mine) & (distances[:, mine] <= tolerance)).mean())

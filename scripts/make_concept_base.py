@@ -13,10 +13,12 @@ deterministically, on one CPU core in a few minutes,
    trainer: the pipeline trains LoRAs) on 4 colours x 3 shapes x 3 backgrounds, captioned, until its samples
    show the named colour (checked at the end: the script fails otherwise).
 
-The LoRA dataset (examples/concept-tiny/data) shows a colour the base never saw, captioned "purple ...".
+The LoRA dataset (examples/concept-tiny/data) shows a colour the base never saw, captioned "purple ...", plus one
+image per base caption as prior preservation (regularisation images).
 tests/test_concept_proof.py trains a LoRA on it through the pipeline and measures that colour in the samples.
 
     python scripts/make_concept_base.py            # rewrites examples/concept-tiny/{model,data,pretrain}
+    python scripts/make_concept_base.py --data-only   # the datasets only (the same bytes a full run writes)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from diffusion_pipe.concept_proof import (  # noqa: E402
-    BACKGROUNDS, BASE_COLOURS, CONCEPT_WORD, SHAPES, autoencoder_images, base_items, caption, colour_fraction, concept_items,
+    BACKGROUNDS, BASE_COLOURS, CONCEPT_WORD, SHAPES, autoencoder_images, base_items, caption, colour_fraction, lora_items,
     write_dataset,
 )
 from diffusion_pipe.models.common import save_tiny_tokenizers  # noqa: E402
@@ -181,8 +183,8 @@ def check_samples(out: Path, adapter: FluxAdapter, seed: int) -> dict[str, float
     named = {c: [] for c in BASE_COLOURS}
     others = {c: [] for c in BASE_COLOURS}
     for (colour, _, _), px in zip(prompts, pixels):
-        named[colour].append(colour_fraction(px, BASE_COLOURS[colour]))
-        others[colour].append(max(colour_fraction(px, BASE_COLOURS[o]) for o in BASE_COLOURS if o != colour))
+        named[colour].append(colour_fraction(px, colour))
+        others[colour].append(max(colour_fraction(px, o) for o in BASE_COLOURS if o != colour))
     from PIL import Image
 
     rows = [np.concatenate(list(pixels[i * 9:(i + 1) * 9]), axis=1) for i in range(len(BASE_COLOURS))]
@@ -196,19 +198,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--steps", type=int, default=2500, help="transformer pretraining steps")
+    parser.add_argument("--data-only", action="store_true", help="rewrite the datasets only, not the model")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core: the machines this runs on are shared
     torch.use_deterministic_algorithms(True)
 
     model_dir = args.out / "model"
-    shutil.rmtree(model_dir, ignore_errors=True)
     shutil.rmtree(args.out / "pretrain", ignore_errors=True)
     shutil.rmtree(args.out / "data", ignore_errors=True)
-    model_dir.mkdir(parents=True)
     base = base_items(variants=4, seed=args.seed)
     write_dataset(base, args.out / "pretrain")
-    write_dataset(concept_items(variants=2, seed=args.seed + 1), args.out / "data")
+    write_dataset(lora_items(variants=4, seed=args.seed + 1), args.out / "data")
+    if args.data_only:
+        return
     images, captions = [i for i, _ in base], [c for _, c in base]
+    shutil.rmtree(model_dir, ignore_errors=True)
+    model_dir.mkdir(parents=True)
 
     build_text_encoders(model_dir, args.seed)
     from diffusers import FlowMatchEulerDiscreteScheduler
