@@ -105,6 +105,38 @@ def test_each_bundled_example_runs_by_copying_its_params(example):
             require_deps(root / "dvc.yaml", stage, paths, param)
 
 
+def _dvc_yaml_params(dvc_yaml: Path) -> set[str]:
+    """The params.yaml keys that dvc.yaml's stages list under `params:` (dotted), whole-file entries left out."""
+    import yaml
+
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    return {p for stage in stages.values() for p in stage.get("params", []) if isinstance(p, str)}
+
+
+def _has_key(doc: dict, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            return False
+        doc = doc[part]
+    return True
+
+
+@pytest.mark.parametrize("path", [Path(__file__).parents[1] / "params.yaml",
+                                  *sorted((Path(__file__).parents[1] / "examples").rglob("params*.yaml"))],
+                         ids=lambda p: p.parent.name + "/" + p.name)
+def test_shipped_params_hold_every_key_dvc_yaml_reads(path):
+    """DVC refuses to run a stage whose `params:` key is missing from params.yaml ("Parameters '...' are missing"),
+    even where our own loader has a default: the bundled params.yaml and every example a README tells users to
+    copy must hold each key dvc.yaml lists (a new param read by a stage goes into all of them)."""
+    import yaml
+
+    keys = _dvc_yaml_params(Path(__file__).parents[1] / "dvc.yaml")
+    assert "train.caption_dropout" in keys and "scan.datasets" in keys  # the check reads dvc.yaml's real list
+    doc = yaml.safe_load(path.read_text())
+    missing = sorted(k for k in keys if not _has_key(doc, k))
+    assert not missing, f"{path} lacks {missing}, which dvc.yaml's stages read: dvc repro would fail on it"
+
+
 def test_single_files_must_be_deps_of_the_stages_reading_them(tmp_path):
     """A local single file (model.vae here) is a dep of encode, which reads it, named by its param."""
     import dataclasses
