@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 
 from diffusion_pipe.errors import UserError
 
@@ -65,8 +66,14 @@ def load_yaml(path: str | Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
     yaml = YAML(typ="safe", pure=True)
-    with path.open("r", encoding="utf-8") as fh:
-        data = yaml.load(fh)
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            data = yaml.load(fh)
+    except YAMLError as exc:  # a syntax error or a key written twice: where, and what the parser saw
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}; fix the file and run again") from None
     return {} if data is None else data
 
 

@@ -10,6 +10,12 @@ from diffusion_pipe.params import load_params
 BASE = "model: {path: some/model}\nscan:\n  datasets: [{path: data}]\n"
 
 
+def raw(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
 def write(tmp_path: Path, extra: str) -> Path:
     path = tmp_path / "params.yaml"
     path.write_text(BASE + extra)
@@ -67,6 +73,16 @@ def test_missing_section_and_required_key(tmp_path):
     path.write_text("model: {path: m}\nscan:\n  datasets: [{repeats: 2}]\n")
     with pytest.raises(ConfigError, match=r"scan\.datasets\[0\]\.path: required key is missing"):
         load_params(path)
+
+
+def test_invalid_yaml_names_the_file_and_line(tmp_path):
+    """A key written twice (easy when adding a param by hand) or broken syntax is a ConfigError naming the file
+    and line, not a parser traceback."""
+    with pytest.raises(ConfigError, match=r"params.yaml: not valid YAML \(line 3, column 3\): found duplicate key "
+                                          r"\"seed\""):
+        load_params(raw(tmp_path, "train:\n  seed: 0\n  seed: 1\n"))
+    with pytest.raises(ConfigError, match=r"params.yaml: not valid YAML \(line \d+, column \d+\): expected"):
+        load_params(raw(tmp_path, "train:\n  seed: [0\n"))
 
 
 def test_value_validation_names_param(tmp_path):

@@ -25,7 +25,7 @@ def encoded(tmp_path_factory):
     the store and both encode reports."""
     root = tmp_path_factory.mktemp("caption-dropout")
     store = root / "store"
-    repo = make_pipeline_repo(root / "repo", store, {"  seed: 0\n": "  seed: 0\n  caption_dropout: 0.0\n"}, dvc=False)
+    repo = make_pipeline_repo(root / "repo", store, None, dvc=False)  # the bundled params: caption_dropout 0.0
     reports = {}
     for stage in ("scan", "encode"):
         run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))

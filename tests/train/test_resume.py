@@ -18,8 +18,8 @@ from tests.conftest import make_pipeline_repo, run_checked, run_env
 STEPS = 30
 # LoRA dropout on: the RNG state must resume too; caption dropout on: the same samples must drop after a resume
 PARAMS = {"steps: 120": f"steps: {STEPS}",
-          "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3\n  lora_dropout: 0.1\n"
-                                  "  caption_dropout: 0.5"}
+          "eval_every_steps: 40": "eval_every_steps: 0\n  checkpoint_every_steps: 3\n  lora_dropout: 0.1",
+          "caption_dropout: 0.0": "caption_dropout: 0.5"}
 
 
 @pytest.fixture(scope="module")
