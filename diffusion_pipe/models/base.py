@@ -201,6 +201,14 @@ class Adapter(ABC):
                              f"latents per sample, got {len(conditioning)}")
         return self.model_inputs(noisy_latents, timesteps, text, guidance)
 
+    def keep_clean(self, noisy_latents: torch.Tensor, target: torch.Tensor,
+                   latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(noisy latents, loss target) for a micro-batch of clean `latents`. A family conditioned on part of the
+        sample itself (Wan 2.2 TI2V: a clip's first latent frame) puts the clean latents there and leaves that
+        part out of the target; its `model_inputs` marks it clean (timestep 0) and `prediction_to_latents` drops
+        it from the prediction, so the loss covers what the model must generate. The default changes nothing."""
+        return noisy_latents, target
+
     @abstractmethod
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Reshape the last layer's output to the latent layout of `like` (e.g. unpack Flux tokens), dropping

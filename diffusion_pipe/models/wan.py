@@ -42,6 +42,10 @@ class WanEmbed(nn.Module):
         latents, timesteps, text = inputs
         cos, sin = self.rope(latents)
         hidden = self.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+        if timesteps.ndim == 2:  # one timestep per token (Wan 2.2 TI2V), as WanTransformer3DModel.forward
+            temb, timestep_proj, text, _ = self.condition_embedder(timesteps.flatten() * 1000, text, None,
+                                                                   timestep_seq_len=timesteps.shape[1])
+            return hidden, text, timestep_proj.unflatten(2, (6, -1)), temb, cos, sin
         temb, timestep_proj, text, _ = self.condition_embedder(timesteps * 1000, text, None)
         return hidden, text, timestep_proj.unflatten(1, (6, -1)), temb, cos, sin
 
@@ -80,7 +84,11 @@ class WanOut(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _text, _proj, temb, _cos, _sin = inputs
-        shift, scale = (self.top.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        if temb.ndim == 3:  # one timestep per token (Wan 2.2 TI2V)
+            shift, scale = (self.top.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (self.top.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         return self.proj_out(hidden)
 

@@ -209,9 +209,10 @@ class MicroBatches:
         if self.noise_offset and timesteps is None:
             noise = offset_noise(noise, self.noise_offset, generator)
         noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
-        inputs = self.adapter.conditioned_inputs(noised.noisy, noised.timesteps, batch.text, self.guidance,
+        noisy, target = self.adapter.keep_clean(noised.noisy, noised.target, latents)
+        inputs = self.adapter.conditioned_inputs(noisy, noised.timesteps, batch.text, self.guidance,
                                                  batch.conditioning)
-        target = noised.target.to(inputs[0].dtype)
+        target = target.to(inputs[0].dtype)
         if self.min_snr_gamma and timesteps is None:
             weights = min_snr_weights(_alphas_cumprod(self.adapter), noised.timesteps, self.min_snr_gamma,
                                       self.adapter.objective())

@@ -183,6 +183,33 @@ class AdapterContract:
         assert predictions[0].shape == latents.shape
         assert (predictions[0] - predictions[1]).abs().max() > 1e-4
 
+    def test_kept_clean_latents_and_the_target_match_the_prediction(self, adapter, lora_model):
+        """What `keep_clean` leaves in the target has the shape `prediction_to_latents` gives the prediction for
+        it (the loss compares like with like); latents it keeps clean enter the model unnoised; every family
+        keeps an image's (one latent frame, or no frame axis) whole target."""
+        denoiser, _ = lora_model
+        latents, noised, _ = self._inputs(adapter)
+        noisy, target = adapter.keep_clean(noised.noisy, noised.target, latents)
+        assert noisy.shape == latents.shape
+        kept = target.shape != noised.target.shape
+        if kept:  # the clean part is the leading frames, exactly the latents there
+            clean = latents.shape[2] - target.shape[2]
+            assert torch.equal(noisy[:, :, :clean], latents[:, :, :clean])
+            assert torch.equal(noisy[:, :, clean:], noised.noisy[:, :, clean:])
+            assert torch.equal(target, noised.target[:, :, clean:])
+        text = random_like_spec(adapter.text_spec(self.text_max_length), len(latents), 1)
+        conditioning = tuple(random_like_spec(adapter.latent_spec(*self.media_sizes[-1]), len(latents), 100 + i)[
+            "latents"] for i in range(adapter.capabilities.conditioning_latents))
+        x = adapter.conditioned_inputs(noisy, noised.timesteps, text, 1.0, conditioning)
+        with torch.no_grad():
+            for layer in adapter.pipeline_layers(denoiser):
+                x = layer(x)
+        assert adapter.prediction_to_latents(x, target).shape == target.shape
+        image = adapter.latent_spec(*self.media_sizes[0])["latents"][0]
+        image_latents = random_like_spec({"latents": (image, "float32")}, 1, 3)["latents"]
+        noise = torch.randn(image_latents.shape)
+        assert torch.equal(adapter.keep_clean(noise, noise, image_latents)[1], noise)
+
     def test_pipeline_layers_equal_unsplit_forward(self, adapter, lora_model):
         denoiser, _ = lora_model
         latents, _, inputs = self._inputs(adapter)
