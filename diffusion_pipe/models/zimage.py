@@ -74,10 +74,18 @@ class ZImageEmbed(nn.Module):
             caps = layer(caps, cap_mask, cap_freqs)
         sequence, freqs, mask, _ = model._build_unified_sequence(
             x, x_freqs, x_lens, None, caps, cap_freqs, cap_lens, None, None, None, None, None, False, device)
-        if mask is None:  # every item as long: nothing to mask
-            mask = torch.ones(sequence.shape[:2], dtype=torch.bool, device=device)
+        if mask is None:  # every item as long: nothing to mask, and attention runs unmasked as diffusers runs it
+            mask = torch.ones((sequence.shape[0], 1), dtype=torch.bool, device=device)  # see `attention_mask`
         # integers and a real view: what a stage boundary sends (no bool or complex tensors)
         return sequence, mask.long(), torch.view_as_real(freqs).contiguous(), adaln
+
+
+def attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """The main layers' attention mask from the one the first layer sends: None for a (B, 1) mask, which stands for
+    "no item is padded". ZImageTransformer2DModel passes None then, and so must we: a mask, even all ones, keeps
+    scaled_dot_product_attention off its flash kernel (the likely cause of the 37% the H200 bench measured this
+    family behind the plain loop with an all-ones mask; not re-measured). Told by the shape: no device sync."""
+    return None if mask.shape[1] == 1 else mask.bool()
 
 
 class ZImageBlock(nn.Module):
@@ -89,7 +97,7 @@ class ZImageBlock(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sequence, mask, freqs, adaln = inputs
-        sequence = self.block(sequence, mask.bool(), torch.view_as_complex(freqs), adaln)
+        sequence = self.block(sequence, attention_mask(mask), torch.view_as_complex(freqs), adaln)
         return sequence, mask, freqs, adaln
 
 

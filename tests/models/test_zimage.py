@@ -45,6 +45,28 @@ class TestZImageContract(AdapterContract):
         torch.testing.assert_close(together[0:1], run([0]), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(together[1:2], run([1]), rtol=1e-4, atol=1e-5)
 
+    def test_attention_is_unmasked_unless_an_item_is_padded(self, adapter, lora_model):
+        """As ZImageTransformer2DModel: equal-length captions leave the main layers' attention unmasked (a mask,
+        even all ones, keeps SDPA off its flash kernel); captions of different lengths mask the padding."""
+        denoiser, _ = lora_model
+        texts = adapter.encode_text(adapter.load_text_encoders(torch.device("cpu")),
+                                    ["a cat", "a dog", " ".join(["a red circle on a white background"] * 8)], 96)
+        assert texts[2]["prompt_mask"].sum() > 32  # past Z-Image's padding of captions to multiples of 32 tokens
+        layers = adapter.pipeline_layers(denoiser)
+        seen = []
+        hook = layers[1].block.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
+        try:
+            for rows in ([0, 1], [0, 2]):
+                batch = {k: torch.stack([texts[i][k] for i in rows]) for k in texts[0]}
+                x = adapter.model_inputs(torch.randn(2, 4, 4, 4), torch.tensor([0.3, 0.7]), batch, 1.0)
+                with torch.no_grad():
+                    for layer in layers[:2]:
+                        x = layer(x)
+        finally:
+            hook.remove()
+        assert seen[0] is None
+        assert seen[1].dtype == torch.bool and not seen[1].all() and seen[1].any()
+
     def test_caption_is_wrapped_in_the_chat_template(self, adapter):
         pipe = adapter.load_text_encoders(torch.device("cpu")).pipeline
         wrapped = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "a cat"}], tokenize=False,
