@@ -17,11 +17,13 @@ import click
 # text encoders, train the transformer, export and sample every component.
 _ENCODERS = [("model.vae", lambda p: [p.model.vae]), ("model.text_encoders", lambda p: list(p.model.text_encoders))]
 _TRANSFORMER = [("model.transformer", lambda p: [p.model.transformer])]
+# Edit families' sample prompts name control images, which training and the sample stage render from.
+_SAMPLE_CONTROLS = [("train.samples.prompts[].control", lambda p: [x.control for x in p.train.samples.prompts])]
 _PARAM_PATHS: dict[str, list[tuple[str, Callable]]] = {
     "encode": [("model.path", lambda p: [p.model.path]), *_ENCODERS],
-    "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER],
+    "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_SAMPLE_CONTROLS],
     "export": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
-    "sample": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
+    "sample": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS, *_SAMPLE_CONTROLS],
 }
 
 

@@ -217,6 +217,7 @@ class SamplePrompt:
     steps: int = 0
     guidance: float = -1.0  # the family's `guidance_scale` (Flux: distilled guidance; SDXL, Wan: CFG scale)
     cfg_scale: float = 0.0  # Flux: true classifier-free guidance with negative_prompt when > 1
+    control: str = ""  # edit families: the image the prompt edits (a path; cover-cropped to the sample's size)
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
 
@@ -46,4 +47,10 @@ def test_bundled_example_runs_through_dvc_repro(tmp_path, example):
     lineage = json.loads((repo / "artifacts" / f"{name}.lineage.json").read_text())
     assert lineage["base_model"]["family"] == params["model"]["family"]
     sample = json.loads((repo / "reports/sample.json").read_text())
-    assert len(sample["prompts"]) == len(params["train"]["samples"]["prompts"])
+    prompts = params["train"]["samples"]["prompts"]
+    assert len(sample["prompts"]) == len(prompts)
+    if prompts:  # a row per prompt: without | with the LoRA, after the image it edits for an edit family
+        columns = 3 if prompts[0].get("control") else 2
+        cell = max(p.get("width") or params["train"]["samples"].get("width", 512) for p in prompts)
+        with Image.open(repo / "reports/lora_samples/comparison.png") as grid:
+            assert grid.width == columns * (cell + 2) - 2

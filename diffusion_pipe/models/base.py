@@ -229,9 +229,7 @@ class Adapter(ABC):
         """The family's diffusers pipeline class: training samples and the `sample` stage render with it."""
         from diffusion_pipe.config import ConfigError
 
-        why = (" (an edit family renders from a control image per prompt, which sample prompts cannot name yet)"
-               if self.capabilities.conditioning_latents else "")
-        raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet{why}; "
+        raise ConfigError(f"train.samples.prompts: family '{self.name}' cannot render samples yet; "
                           "leave the prompts empty")
 
     def sample_size_multiple(self) -> int:
@@ -259,6 +257,11 @@ class Adapter(ABC):
         pipe = cls(**components)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def sample_control_inputs(self, image: object) -> dict:
+        """The pipeline call's keyword arguments that carry one prompt's control image (a PIL image already at the
+        sample's size): edit families only, whose samples render from one (`SamplePrompt.control`)."""
+        raise NotImplementedError(f"family '{self.name}' renders samples without a control image")
 
     def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
         """The texts a resolved sample prompt renders from, which encode embeds into the store: the prompt and

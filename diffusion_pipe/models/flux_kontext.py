@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_pipe.models.base import Adapter, Capabilities, TensorDict
+from diffusion_pipe.models.base import Capabilities, TensorDict
 from diffusion_pipe.models.flux import MODEL_INDEX, FluxAdapter, unpack_latents
 
 
@@ -48,9 +48,16 @@ class FluxKontextAdapter(FluxAdapter):
         return (torch.cat((hidden, control_tokens), dim=1), timestep, t5, pooled,
                 torch.cat((img_ids, control_ids), dim=1).contiguous(), txt_ids, guidance_t)
 
-    # Not Flux's text-to-image pipeline: a Kontext sample renders from a control image, which sample prompts cannot
-    # name yet, so samples are refused with that reason (the base class's message) instead of rendered without it.
-    pipeline_class = Adapter.pipeline_class
+    def pipeline_class(self) -> type:
+        from diffusers import FluxKontextPipeline
+
+        return FluxKontextPipeline
+
+    def sample_control_inputs(self, image: object) -> dict:
+        """The control image as FluxKontextPipeline takes it, at the sample's own size (the pipeline would otherwise
+        resize it and the output to its preferred Kontext resolutions)."""
+        width, height = image.size
+        return {"image": image, "max_area": width * height, "_auto_resize": False}
 
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The target's tokens only (the first H/2 * W/2, as the pipeline keeps them), unpacked."""

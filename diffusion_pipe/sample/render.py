@@ -23,10 +23,22 @@ def prompt_texts(adapter: Adapter, prompts: tuple[SamplePrompt, ...]) -> tuple[s
     return tuple(sorted({text for p in prompts for text in adapter.sample_texts(p)}))
 
 
-def check_prompt_size(adapter: Adapter, prompt: SamplePrompt) -> None:
-    """A sample size the model cannot render is an error naming the prompt and the multiple it needs."""
+def check_prompt(adapter: Adapter, prompt: SamplePrompt) -> None:
+    """A prompt the model cannot render is an error naming the prompt and what to change: a size that is not a
+    multiple the family needs, frames for an image family, a control image missing for an edit family (or given to
+    another family, or not a file)."""
     from diffusion_pipe.config import ConfigError
 
+    edits = adapter.capabilities.conditioning_latents > 0
+    if edits and not prompt.control:
+        raise ConfigError(f"train.samples.prompts: prompt {prompt.prompt!r} has no control image; family "
+                          f"'{adapter.name}' edits one: give the prompt `control: path/to/image.png`")
+    if prompt.control and not edits:
+        raise ConfigError(f"train.samples.prompts: prompt {prompt.prompt!r} has a control image, but family "
+                          f"'{adapter.name}' renders from text alone; remove `control`")
+    if prompt.control and not Path(prompt.control).is_file():
+        raise ConfigError(f"train.samples.prompts: prompt {prompt.prompt!r}: control image {prompt.control} is not a "
+                          "file; give the path of an image (relative to the repository)")
     m = adapter.sample_size_multiple()
     if prompt.width % m or prompt.height % m:
         raise ConfigError(f"train.samples: prompt {prompt.prompt!r} is {prompt.width}x{prompt.height}; family "
@@ -49,6 +61,9 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     for (width, height, frames, steps, guidance, cfg_scale), members in groups.items():
         calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts.get(prompts[i].negative_prompt), guidance,
                                        cfg_scale) for i in members]
+        for call, i in zip(calls, members):
+            if prompts[i].control:  # edit families: the image the prompt edits
+                call |= adapter.sample_control_inputs(control_image(prompts[i].control, width, height))
         kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
         if "video" in adapter.capabilities.media:
             kwargs["num_frames"] = frames
@@ -61,9 +76,25 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     return out
 
 
+def control_image(path: str, width: int, height: int) -> object:
+    """A sample prompt's control image as a PIL image at the sample's size, cropped as encode crops a training
+    control image to its target's bucket (cover, centre)."""
+    from PIL import Image
+
+    from diffusion_pipe.encode.media import load_pixels_uint8
+
+    pixels = load_pixels_uint8(Path(path), "image", width, height, 1)  # (3, 1, H, W)
+    return Image.fromarray(pixels[:, 0].permute(1, 2, 0).numpy())
+
+
 def _join(values: list, device: torch.device) -> object:
     """One pipeline argument from the prompts of a batch: tensors concatenated, lists (a tensor per prompt, as
-    ZImagePipeline takes its embeddings) joined, anything else (a scale) the first prompt's."""
+    ZImagePipeline takes its embeddings) joined, images (control images) listed, anything else (a scale) the
+    first prompt's."""
+    from PIL import Image
+
+    if isinstance(values[0], Image.Image):
+        return list(values)
     if isinstance(values[0], torch.Tensor):
         return torch.cat(values).to(device)
     if isinstance(values[0], list):

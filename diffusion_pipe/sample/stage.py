@@ -14,8 +14,8 @@ from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import Params
-from diffusion_pipe.sample.render import (check_prompt_size, grid, png_bytes, poster, prompt_texts, render_prompts,
-                                          write_media)
+from diffusion_pipe.sample.render import (check_prompt, control_image, grid, png_bytes, poster, prompt_texts,
+                                          render_prompts, write_media)
 
 
 def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Path, video_dir: Path,
@@ -42,7 +42,7 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
         raise ConfigError(f"model.expert: the sample stage renders with the whole model; '{adapter.expert}' is "
                           "one expert of it. Leave model.expert empty to sample")
     for prompt in prompts:
-        check_prompt_size(adapter, prompt)
+        check_prompt(adapter, prompt)
     device = resolve_device(device_name, "--device")
 
     encoders = adapter.load_text_encoders(device)
@@ -67,8 +67,11 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
                 write_media(video_dir / f"{i:02d}-{tag}", pixels)
         difference = float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean())
         report["prompts"].append({"prompt": prompt.prompt, "seed": prompt.seed, "mean_abs_difference": difference})
-    write_bytes_atomic(out_dir / "comparison.png", png_bytes(grid([[poster(a), poster(b)]
-                                                                   for a, b in zip(without, with_lora)])))
+    rows = [[poster(a), poster(b)] for a, b in zip(without, with_lora)]
+    for row, prompt in zip(rows, prompts):  # an edit family's row starts with the image the prompt edits
+        if prompt.control:
+            row.insert(0, np.asarray(control_image(prompt.control, prompt.width, prompt.height)))
+    write_bytes_atomic(out_dir / "comparison.png", png_bytes(grid(rows)))
     write_json_atomic(report_path, report)
     print(f"sample: {len(prompts)} prompts without and with {lora_path} -> {out_dir}/comparison.png; mean pixel "
           f"difference {np.mean([p['mean_abs_difference'] for p in report['prompts']]):.2f}/255", file=sys.stderr)

@@ -33,7 +33,7 @@ from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.params import ModelParams, SampleParams
 from diffusion_pipe.encode.encode import caption_text_keys
-from diffusion_pipe.sample.render import (check_prompt_size, grid, png_bytes, poster, prompt_texts, render_prompts,
+from diffusion_pipe.sample.render import (check_prompt, grid, png_bytes, poster, prompt_texts, render_prompts,
                                           write_media)
 from diffusion_pipe.store import Store
 from diffusion_pipe.store.pack import REPAIR_HINT
@@ -77,7 +77,7 @@ class TrainingSamples:
                               f"trains only '{adapter.expert}'; leave the prompts empty for expert runs")
         texts: dict[str, dict] = {}
         for prompt in samples.resolved():
-            check_prompt_size(adapter, prompt)
+            check_prompt(adapter, prompt)
         if samples.prompts and dist.rank == 0:
             keys = caption_text_keys(adapter, model, text_max_length, prompt_texts(adapter, samples.resolved()))
             missing = sorted(text for text, key in keys.items() if not store.contains("text", key))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -279,11 +280,16 @@ class AdapterContract:
         with pytest.raises(ValueError, match="export.formats: 'nope' is not supported"):
             adapter.export_lora(lora, "nope")
 
-    def test_sample_pipeline_renders_stored_embeddings(self, adapter, lora_model):
+    def test_sample_pipeline_renders_stored_embeddings(self, adapter, lora_model, tmp_path):
         """Samples during training: the family's pipeline over the LoRA-wrapped denoiser, with prompts as text
-        entries and no text encoder, renders the size asked for, deterministically under the prompt's seed."""
+        entries and no text encoder, renders the size asked for, deterministically under the prompt's seed; an
+        edit family renders from the prompt's control image, and another control image gives another sample."""
+        import dataclasses
+
+        from PIL import Image
+
         from diffusion_pipe.params import SamplePrompt
-        from diffusion_pipe.sample.render import prompt_texts, render_prompts
+        from diffusion_pipe.sample.render import check_prompt, prompt_texts, render_prompts
 
         if type(adapter).pipeline_class is Adapter.pipeline_class:
             pytest.skip(f"family '{adapter.name}' does not render samples yet")
@@ -291,8 +297,14 @@ class AdapterContract:
         multiple = adapter.sample_size_multiple()
         width = height = multiple * max(1, -(-32 // multiple))  # about 32 pixels, as the family allows
         frames = self.media_sizes[-1][2]
+        controls = []
+        if adapter.capabilities.conditioning_latents:
+            for i, colour in enumerate(((200, 30, 30), (30, 30, 200))):
+                controls.append(str(tmp_path / f"control{i}.png"))
+                Image.new("RGB", (48, 40), colour).save(controls[-1])
         prompts = (SamplePrompt("a red circle", seed=1, width=width, height=height, frames=frames, steps=2,
-                                guidance=2.0, cfg_scale=2.0),)
+                                guidance=2.0, cfg_scale=2.0, control=controls[0] if controls else ""),)
+        check_prompt(adapter, prompts[0])
         names = prompt_texts(adapter, prompts)
         encoders = adapter.load_text_encoders(cpu)
         texts = dict(zip(names, adapter.encode_text(encoders, list(names), self.text_max_length)))
@@ -300,6 +312,10 @@ class AdapterContract:
         first, again = (render_prompts(pipe, adapter, prompts, texts, cpu)[0] for _ in range(2))
         assert first.shape == (frames, height, width, 3)
         assert (first == again).all()
+        if controls:
+            other = render_prompts(pipe, adapter, (dataclasses.replace(prompts[0], control=controls[1]),), texts,
+                                   cpu)[0]
+            assert np.abs(other.astype(int) - first.astype(int)).max() > 0
 
     def test_exported_lora_round_trips_into_diffusers_pipeline(self, adapter, lora_model, model_dir):
         import diffusers

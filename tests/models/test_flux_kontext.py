@@ -75,8 +75,20 @@ def test_prediction_keeps_only_the_target_tokens(model_dir):
     assert torch.equal(adapter.prediction_to_latents(tokens, target), target)
 
 
-def test_samples_are_refused_with_the_reason(model_dir):
+def test_sample_prompts_of_an_edit_family_need_a_control_image(model_dir, tmp_path):
+    """An edit family's sample prompt without a control image, a control path that is not a file, and a control
+    image given to a text-to-image family are errors naming the prompt and the fix."""
+    from diffusion_pipe.models.flux import FluxAdapter
+    from diffusion_pipe.params import SamplePrompt
+    from diffusion_pipe.sample.render import check_prompt
+
     adapter = FluxKontextAdapter(model_dir, torch.float32)
-    with pytest.raises(ConfigError, match=r"train.samples.prompts: family 'flux_kontext' cannot render samples yet "
-                                          r"\(an edit family renders from a control image per prompt"):
-        adapter.pipeline_class()
+    with pytest.raises(ConfigError, match=r"prompt 'make it green' has no control image; family 'flux_kontext' "
+                                          r"edits one: give the prompt `control: path/to/image.png`"):
+        check_prompt(adapter, SamplePrompt("make it green", width=32, height=32, frames=1))
+    with pytest.raises(ConfigError, match=r"control image .*nope.png is not a file"):
+        check_prompt(adapter, SamplePrompt("make it green", width=32, height=32, frames=1,
+                                           control=str(tmp_path / "nope.png")))
+    with pytest.raises(ConfigError, match=r"has a control image, but family 'flux' renders from text alone"):
+        check_prompt(FluxAdapter(model_dir, torch.float32),
+                     SamplePrompt("a cat", width=32, height=32, frames=1, control=str(tmp_path / "nope.png")))

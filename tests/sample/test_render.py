@@ -11,7 +11,7 @@ from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import SampleParams, TrainParams
 from diffusion_pipe.models.sdxl import SDXLAdapter
-from diffusion_pipe.sample.render import check_prompt_size, grid, png_bytes, prompt_texts, render_prompts
+from diffusion_pipe.sample.render import check_prompt, grid, png_bytes, prompt_texts, render_prompts
 from diffusion_pipe.train.samples import sample_steps
 from tests.sample.helpers import sample_params
 
@@ -48,9 +48,9 @@ def test_a_size_the_model_cannot_render_is_an_error(tiny_flux_dir):
     adapter = FluxAdapter(tiny_flux_dir, torch.float32)
     prompt = sample_params(width=36).resolved()[0]
     with pytest.raises(ConfigError, match=r"36x32; family 'flux' renders sides that are multiples of 8"):
-        check_prompt_size(adapter, prompt)
+        check_prompt(adapter, prompt)
     with pytest.raises(ConfigError, match="asks for 5 frames but family 'flux' renders images"):
-        check_prompt_size(adapter, sample_params(frames=5).resolved()[0])
+        check_prompt(adapter, sample_params(frames=5).resolved()[0])
 
 
 def test_rendering_is_deterministic_and_each_prompt_keeps_its_seed(tiny_flux_dir):
