@@ -52,7 +52,7 @@ class DatasetParams:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "repeats": Range(1, 10_000), "resolutions": Range(16, 16_384), "frames": Range(1, 10_000),
-        "eval_fraction": _FRACTION,
+        "eval_fraction": _FRACTION, "frame_windows": Range(0, 10_000),
     }
 
     path: str
@@ -60,6 +60,11 @@ class DatasetParams:
     repeats: int = 1
     resolutions: tuple[int, ...] = (512,)  # bucket target areas, as side lengths (512 -> 512*512 pixels)
     frames: tuple[int, ...] = (1,)  # frame buckets for videos; images always have 1 frame
+    # Which frames of a longer clip fill its frame bucket: `first` (its first frames), `windows` (several windows,
+    # each a training sample of its own: `frame_windows` of them spread evenly, 0 = as many as fit without
+    # overlapping) or `whole` (the whole clip at a lower frame rate: every k-th frame). scan/buckets.py.
+    frame_extraction: Literal["first", "windows", "whole"] = "first"
+    frame_windows: int = 0
     never_upscale: bool = False
     caption_policy: Literal["error", "default", "skip"] = "error"
     default_caption: str = ""
@@ -86,6 +91,9 @@ class DatasetParams:
             raise ValueError(f"dataset {self.path!r}: resolutions must be positive, got {self.resolutions}")
         if not self.frames or min(self.frames) <= 0:
             raise ValueError(f"dataset {self.path!r}: frames must be positive, got {self.frames}")
+        if self.frame_windows and self.frame_extraction != "windows":
+            raise ValueError(f"dataset {self.path!r}: frame_windows is {self.frame_windows}, but frame_extraction is "
+                             f"{self.frame_extraction!r}; set frame_extraction: windows (or drop frame_windows)")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"dataset {self.path!r}: eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.caption_policy == "default" and not self.default_caption:

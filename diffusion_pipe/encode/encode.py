@@ -69,10 +69,14 @@ class Sample:
     media: str = "image"  # 'image' | 'video', as the scan measured it (animated GIF/WebP are videos)
     control_paths: tuple[str, ...] = ()  # its control images, relative to the dataset's control directory
     conditioning_keys: tuple[str, ...] = ()  # their latent keys, at this sample's bucket
+    frame_start: int = 0  # a video's window: its first frame and the step between its frames
+    frame_stride: int = 1
 
     @property
     def sample_id(self) -> str:
-        return f"{self.dataset}/{self.path}@{self.bucket}"
+        window = f"#{self.frame_start}" if self.frame_start else ""
+        window += f"/{self.frame_stride}" if self.frame_stride != 1 else ""
+        return f"{self.dataset}/{self.path}@{self.bucket}{window}"
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class LatentSource:
     path: Path
     media: str
     bucket: str
+    frame_start: int = 0
+    frame_stride: int = 1
 
 
 def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots: dict[str, Path]
@@ -91,7 +97,8 @@ def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots:
     (the same bytes at the same bucket give the same key, whichever file they are in)."""
     out: dict[str, LatentSource] = {}
     for s in samples:
-        out.setdefault(s.latent_key, LatentSource(s.latent_key, roots[s.dataset] / s.path, s.media, s.bucket))
+        out.setdefault(s.latent_key, LatentSource(s.latent_key, roots[s.dataset] / s.path, s.media, s.bucket,
+                                                  s.frame_start, s.frame_stride))
         for path, key in zip(s.control_paths, s.conditioning_keys):
             out.setdefault(key, LatentSource(key, control_roots[s.dataset] / path, "image", s.bucket))
     return out
@@ -147,32 +154,35 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                     f"{multiple} pixels, which model family '{adapter.name}' needs; set scan.bucket_step to a "
                     f"multiple of {multiple}"
                 )
-            lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
-                              frames=frames_spec(row["media"], frames), vae_hash=vae_hash, vae_dtype=model.dtype)
             # A control image is resized to its target's bucket and keyed as any image latent: by its own bytes,
             # so editing one control image recomputes that one latent.
             ckeys = tuple(latent_key(content_hash=h, bucket=bucket, resize=RESIZE_SPEC, vae_hash=vae_hash,
                                      vae_dtype=model.dtype, frames=frames_spec("image", 1))
                           for h in row.get("control_hashes") or ())
-            samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
-                                  row["content_hash"], row["caption"], lkey, tkey, row["media"],
-                                  tuple(row.get("control_paths") or ()), ckeys))
+            stride = row.get("frame_stride") or 1
+            for start in row.get("frame_starts") or (0,):  # a clip's windows: a sample and a latent each
+                lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
+                                  frames=frames_spec(row["media"], frames, start, stride), vae_hash=vae_hash,
+                                  vae_dtype=model.dtype)
+                samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
+                                      row["content_hash"], row["caption"], lkey, tkey, row["media"],
+                                      tuple(row.get("control_paths") or ()), ckeys, start, stride))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
 class _PixelSet(torch.utils.data.Dataset):
     """Decodes and resizes media in DataLoader workers, overlapping with the encoder."""
 
-    def __init__(self, items: list[tuple[Path, str, str]]) -> None:
-        self.items = items  # (path, media kind, bucket)
+    def __init__(self, items: list[tuple[Path, str, str, int, int]]) -> None:
+        self.items = items  # (path, media kind, bucket, a video window's first frame, its stride)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, frames, height, width) uint8; the encoding process scales it to [-1, 1] on its device."""
-        path, media, bucket = self.items[i]
-        return load_pixels_uint8(path, media, *parse_bucket(bucket))
+        path, media, bucket, start, stride = self.items[i]
+        return load_pixels_uint8(path, media, *parse_bucket(bucket), start, stride)
 
 
 class _BackgroundAdd:
@@ -230,7 +240,7 @@ def _encode_latents(adapter: Adapter, todo: list[LatentSource], store: Store, en
     vae = adapter.load_vae(device)
     started = time.perf_counter()
     todo = sorted(todo, key=lambda s: (s.bucket, s.key))
-    items = [(s.path, s.media, s.bucket) for s in todo]
+    items = [(s.path, s.media, s.bucket, s.frame_start, s.frame_stride) for s in todo]
     loader = torch.utils.data.DataLoader(
         _PixelSet(items), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if encode.workers else None,

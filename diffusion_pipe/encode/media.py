@@ -17,8 +17,9 @@ from PIL import Image, ImageOps
 from diffusion_pipe.config import ConfigError
 
 RESIZE_SPEC = "cover+center-crop/lanczos/pil"
-# How a video bucket of F frames is filled: the first F decoded frames, in presentation order, at the file's own
-# frame rate (no resampling to a target fps). The scan only gives a clip a bucket of F <= its frame count.
+# How a video bucket of F frames is filled: F decoded frames in presentation order, from the window's first frame
+# (frame 0 unless scan.datasets[].frame_extraction makes several windows) and every stride-th (1: the file's own
+# frame rate; no resampling to a target fps). The scan only gives a clip windows that fit in it.
 FRAME_RULE = "first-n/native-fps"
 # Files Pillow decodes as animations (the scan calls animated GIF/WebP/PNG videos); everything else goes to PyAV.
 _PILLOW_ANIMATION_EXTS = frozenset({".gif", ".webp", ".png", ".apng"})
@@ -31,14 +32,16 @@ class MediaError(ConfigError):
     encode import the scan package, which is not among its dvc.yaml deps."""
 
 
-def frames_spec(media: str, frames: int) -> dict[str, Any]:
-    """The `frames` part of a latent key: the frame count, plus the selection rule for videos.
+def frames_spec(media: str, frames: int, start: int = 0, stride: int = 1) -> dict[str, Any]:
+    """The `frames` part of a latent key: the frame count, plus the selection rule for videos and, for a window
+    other than the clip's first frames (scan.datasets[].frame_extraction), its first frame and stride.
 
-    Images keep their historical spec ({"count": 1}) so their keys do not change; a video's spec names
-    FRAME_RULE, so changing how frames are picked re-encodes every video.
+    Images keep their historical spec ({"count": 1}) so their keys do not change, and so does a video's first
+    window; a video's spec names FRAME_RULE, so changing how frames are picked re-encodes every video.
     """
     if media == "video":
-        return {"count": frames, "rule": FRAME_RULE}
+        window = {"start": start, "stride": stride} if (start, stride) != (0, 1) else {}
+        return {"count": frames, "rule": FRAME_RULE, **window}
     return {"count": frames}
 
 
@@ -80,6 +83,7 @@ def _pillow_frames(path: Path, frames: int) -> list[Image.Image]:
 
 
 def _av_frames(path: Path, frames: int) -> list[Image.Image]:
+    """The first `frames` decoded frames (fewer when the clip has fewer)."""
     import av  # imported on use: only video datasets need it
 
     out: list[Image.Image] = []
@@ -95,16 +99,18 @@ def _av_frames(path: Path, frames: int) -> list[Image.Image]:
     return out
 
 
-def _video_uint8(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
+def _video_uint8(path: Path, width: int, height: int, frames: int, start: int = 0, stride: int = 1) -> torch.Tensor:
     path = Path(path)
     decode = _pillow_frames if os.path.splitext(path.name)[1].lower() in _PILLOW_ANIMATION_EXTS else _av_frames
-    pictures = decode(path, frames)
-    if len(pictures) < frames:
+    needed = start + (frames - 1) * stride + 1
+    pictures = decode(path, needed)
+    if len(pictures) < needed:
         raise MediaError(
-            f"{path}: decoded {len(pictures)} frames, its bucket needs {frames}; the file changed since the scan: "
-            "re-run the scan stage (dvc repro scan)"
+            f"{path}: decoded {len(pictures)} frames, its window needs {needed} ({frames} from frame {start}, every "
+            f"{stride}); the file changed since the scan: re-run the scan stage (dvc repro scan)"
         )
-    return torch.stack([_cover_crop_uint8(p, width, height) for p in pictures], dim=1)
+    picked = pictures[start:needed:stride]
+    return torch.stack([_cover_crop_uint8(p, width, height) for p in picked], dim=1)
 
 
 def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch.Tensor:
@@ -117,14 +123,16 @@ def load_video_pixels(path: Path, width: int, height: int, frames: int) -> torch
     return to_unit_range(_video_uint8(path, width, height, frames))
 
 
-def load_pixels_uint8(path: Path, media: str, width: int, height: int, frames: int) -> torch.Tensor:
+def load_pixels_uint8(path: Path, media: str, width: int, height: int, frames: int, start: int = 0,
+                      stride: int = 1) -> torch.Tensor:
     """(3, frames, height, width) uint8 for a manifest item of kind `media` ('image' or 'video').
 
+    A video's window starts at frame `start` and takes every `stride`-th frame (scan.datasets[].frame_extraction).
     What the encode stage's CPU workers produce: a quarter of the bytes of float pixels to pass between
     processes and to the GPU, where `to_unit_range` finishes the job.
     """
     if media == "video":
-        return _video_uint8(path, width, height, frames)
+        return _video_uint8(path, width, height, frames, start, stride)
     if frames != 1:
         raise MediaError(f"{path}: an image has one frame, its bucket asks for {frames}; re-run the scan stage")
     with Image.open(path) as im:

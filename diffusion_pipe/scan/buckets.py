@@ -73,6 +73,28 @@ def frame_bucket(num_frames: int, frames: Sequence[int]) -> int | None:
     return max(fitting) if fitting else None
 
 
+def frame_windows(num_frames: int, bucket_frames: int, extraction: str, windows: int = 0) -> tuple[tuple[int, ...], int]:
+    """Where a clip of `num_frames` frames fills a frame bucket of `bucket_frames`: (start frames, stride). Each
+    start is one training sample of frames start, start + stride, .., (bucket_frames of them).
+
+    `first`: ((0,), 1), the clip's first frames. `windows`: `windows` starts spread evenly from 0 to the last that
+    fits (duplicates dropped), or with 0 as many back-to-back windows as fit. `whole`: ((0,), k) with the largest
+    k that keeps every picked frame inside the clip, so the window spans it at 1/k of its frame rate.
+    """
+    if bucket_frames <= 1 or num_frames <= bucket_frames or extraction == "first":
+        return (0,), 1
+    if extraction == "whole":
+        return (0,), max(1, (num_frames - 1) // (bucket_frames - 1))
+    if extraction != "windows":
+        raise ValueError(f"frame_extraction: unknown {extraction!r} (first, windows, whole)")
+    last = num_frames - bucket_frames
+    if windows <= 0:
+        return tuple(range(0, last + 1, bucket_frames)), 1
+    if windows == 1:
+        return (0,), 1
+    return tuple(sorted({round(i * last / (windows - 1)) for i in range(windows)})), 1
+
+
 def item_buckets(
     width: int,
     height: int,

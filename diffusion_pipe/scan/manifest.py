@@ -41,14 +41,15 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from diffusion_pipe.bucket_labels import parse_bucket
 from diffusion_pipe.hashing import hash_bytes
 from diffusion_pipe.params import DatasetParams
-from diffusion_pipe.scan.buckets import Bucket, item_buckets
+from diffusion_pipe.scan.buckets import Bucket, frame_windows, item_buckets
 from diffusion_pipe.scan.captions import CaptionRead, resolve_caption
 from diffusion_pipe.scan.files import Entry
 from diffusion_pipe.scan.media import Probe, media_kind
 
-MANIFEST_VERSION = "2"  # 2: control_paths, control_hashes
+MANIFEST_VERSION = "3"  # 2: control_paths, control_hashes; 3: frame_starts, frame_stride
 
 SCHEMA = pa.schema(
     [
@@ -71,6 +72,10 @@ SCHEMA = pa.schema(
         pa.field("reason", pa.string(), nullable=False),
         pa.field("control_paths", pa.list_(pa.string()), nullable=False),
         pa.field("control_hashes", pa.list_(pa.string()), nullable=False),
+        # videos: the first frame of each window that trains (one sample per window and bucket) and the step
+        # between its frames (scan.datasets[].frame_extraction); images: [0] and 1
+        pa.field("frame_starts", pa.list_(pa.int32()), nullable=False),
+        pa.field("frame_stride", pa.int32(), nullable=False),
     ],
     metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
 )
@@ -110,6 +115,8 @@ class Row:
     reason: str
     control_paths: tuple[str, ...] = ()  # relative to the dataset's control directory
     control_hashes: tuple[str, ...] = ()
+    frame_starts: tuple[int, ...] = (0,)
+    frame_stride: int = 1
     detail: str = ""
     caption_missing: bool = False
 
@@ -215,6 +222,10 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             if shape not in bucket_memo:  # datasets repeat a few shapes many times
                 bucket_memo[shape] = item_buckets(*shape, spec.layouts, p.frames, p.never_upscale)
             labels, reason = bucket_memo[shape]
+        starts, stride = (0,), 1
+        if labels and probe.media == "video":  # every label of an item has the same frame count
+            starts, stride = frame_windows(probe.num_frames, parse_bucket(labels[0])[2], p.frame_extraction,
+                                           p.frame_windows)
         rows.append(Row(
             path=e.rel, dataset=spec.name, media=probe.media, content_hash=probe.content_hash,
             size_bytes=probe.size_bytes, width=probe.width, height=probe.height, num_frames=probe.num_frames,
@@ -223,6 +234,7 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             repeats=p.repeats, status="excluded" if reason else "ok", reason=reason,
             control_paths=(control.path,) if control.content_hash else (),
             control_hashes=(control.content_hash,) if control.content_hash else (),
+            frame_starts=starts, frame_stride=stride,
             detail=probe.detail if probe.reason else cap.detail if cap.reason else control.detail,
             caption_missing=cap.missing and not probe.reason,
         ))
@@ -248,7 +260,7 @@ def manifest_table(rows: Sequence[Row]) -> pa.Table:
     """The rows as an Arrow table with the manifest schema, sorted by (dataset, path)."""
     ordered = sorted(rows, key=lambda r: (r.dataset, r.path))
     cols = {name: [getattr(r, name) for r in ordered] for name in SCHEMA.names}
-    for name in ("buckets", "control_paths", "control_hashes"):
+    for name in ("buckets", "control_paths", "control_hashes", "frame_starts"):
         cols[name] = [list(b) for b in cols[name]]
     return pa.Table.from_pydict(cols, schema=SCHEMA)
 

@@ -2,7 +2,8 @@
 
 Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
 whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
-buckets (ok items per bucket), samples_per_epoch (train items x buckets x repeats). Top level also:
+buckets (ok items per bucket), video_windows (the windows ok videos train as), samples_per_epoch (train items
+x buckets x windows x repeats). Top level also:
 excluded_examples (first paths per reason, with the error), excluded_first (the first excluded rows in manifest
 order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
@@ -33,8 +34,10 @@ def _counts(rows: Sequence[Row]) -> dict[str, Any]:
         "caption_sources": dict(sorted(Counter(r.caption_source for r in ok).items())),
         "split": {"train": sum(r.split == "train" for r in ok), "eval": sum(r.split == "eval" for r in ok)},
         "buckets": dict(sorted(Counter(b for r in ok for b in r.buckets).items())),
-        # Samples one epoch draws: each ok item once per bucket it trains at, times its repeats.
-        "samples_per_epoch": sum(r.repeats * len(r.buckets) for r in ok if r.split == "train"),
+        # Windows the ok videos train as (scan.datasets[].frame_extraction; 1 a video unless `windows`).
+        "video_windows": sum(len(r.frame_starts) for r in ok if r.media == "video"),
+        # Samples one epoch draws: each ok item once per bucket (and window) it trains at, times its repeats.
+        "samples_per_epoch": sum(r.repeats * len(r.buckets) * len(r.frame_starts) for r in ok if r.split == "train"),
     }
 
 
@@ -100,7 +103,8 @@ def summary_lines(report: dict[str, Any], manifest_path: str, report_path: str =
         + (f" ({reasons})" if reasons else ""),
         f"scan: {report['split']['train']} train / {report['split']['eval']} eval, "
         f"{len(report['buckets'])} bucket(s), {report['duplicates']['groups']} duplicate group(s), "
-        f"{report['missing_captions']} missing caption(s)",
+        f"{report['missing_captions']} missing caption(s)"
+        + (f", {report['video_windows']} video windows" if report["video_windows"] > report["videos"] else ""),
         f"scan: probed {run['files_probed']} file(s), reused {run['files_cached']} from the cache, "
         f"{run['seconds']:.1f} s -> {manifest_path}",
     ]

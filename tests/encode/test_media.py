@@ -16,6 +16,7 @@ from diffusion_pipe.encode.media import (
     frames_spec,
     load_image_pixels,
     load_pixels,
+    load_pixels_uint8,
     load_video_pixels,
 )
 
@@ -85,8 +86,22 @@ def test_gif_frames_resized_exactly_like_images(tmp_path: Path) -> None:
 def test_too_short_clip_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "short.gif"
     _write_gif(path, 2)
-    with pytest.raises(MediaError, match=r"short\.gif: decoded 2 frames, its bucket needs 5.*re-run the scan"):
+    with pytest.raises(MediaError, match=r"short\.gif: decoded 2 frames, its window needs 5 \(5 from frame 0, "
+                                         r"every 1\).*re-run the scan"):
         load_video_pixels(path, 16, 16, 5)
+
+
+def test_a_window_takes_its_frames_from_its_start_every_stride(tmp_path: Path) -> None:
+    """scan.datasets[].frame_extraction: a window of 2 frames from frame 1 every 3rd frame is frames 1 and 4 of
+    the clip, each cropped as the clip's own first frames are; a window past the end names the file."""
+    path = tmp_path / "clip.gif"
+    _write_gif(path, 6)
+    whole = load_pixels_uint8(path, "video", 16, 16, 6)
+    assert torch.equal(load_pixels_uint8(path, "video", 16, 16, 2, start=1, stride=3), whole[:, [1, 4]])
+    assert torch.equal(load_pixels_uint8(path, "video", 16, 16, 3, start=3), whole[:, 3:6])
+    with pytest.raises(MediaError, match=r"clip\.gif: decoded 6 frames, its window needs 7 \(2 from frame 4, "
+                                         r"every 2\)"):
+        load_pixels_uint8(path, "video", 16, 16, 2, start=4, stride=2)
 
 
 def test_image_dispatch_and_frames_check(tmp_path: Path) -> None:
@@ -101,11 +116,16 @@ def test_pixel_set_dispatches_on_media(tmp_path: Path) -> None:
     still, clip = tmp_path / "a.png", tmp_path / "b.mp4"
     Image.fromarray(_frame(0)).save(still)
     _write_mp4(clip, 5)
-    items = _PixelSet([(still, "image", "32x32x1"), (clip, "video", "32x16x5")])
+    items = _PixelSet([(still, "image", "32x32x1", 0, 1), (clip, "video", "32x16x5", 0, 1),
+                       (clip, "video", "32x16x2", 1, 3)])
     assert items[0].shape == (3, 1, 32, 32)
     assert items[1].shape == (3, 5, 16, 32)
+    assert torch.equal(items[2], items[1][:, [1, 4]])  # a window: frames 1 and 4
 
 
 def test_frame_rule_is_in_video_keys_only() -> None:
     assert frames_spec("image", 1) == {"count": 1}
     assert frames_spec("video", 5) == {"count": 5, "rule": FRAME_RULE}
+    assert frames_spec("video", 5, 0, 1) == frames_spec("video", 5)  # a clip's first window keeps its old key
+    assert frames_spec("video", 5, 5, 1) == {"count": 5, "rule": FRAME_RULE, "start": 5, "stride": 1}
+    assert frames_spec("video", 5, 0, 2) == {"count": 5, "rule": FRAME_RULE, "start": 0, "stride": 2}
