@@ -258,9 +258,15 @@ class Adapter(ABC):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    @property
+    def samples_need_control(self) -> bool:
+        """Whether every sample prompt renders from an image (`SamplePrompt.control`): edit families (the image to
+        edit) and image-to-video ones (the first frame)."""
+        return self.capabilities.conditioning_latents > 0
+
     def sample_control_inputs(self, image: object) -> dict:
         """The pipeline call's keyword arguments that carry one prompt's control image (a PIL image already at the
-        sample's size): edit families only, whose samples render from one (`SamplePrompt.control`)."""
+        sample's size): families whose samples render from one (`samples_need_control`)."""
         raise NotImplementedError(f"family '{self.name}' renders samples without a control image")
 
     def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:

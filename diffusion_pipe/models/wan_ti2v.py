@@ -6,7 +6,8 @@ latent in frame 0 with timestep 0 and denoising the other frames. Training does 
 first frame: the VAE is causal, so a clip's first latent frame is exactly the latent of its first frame alone,
 already in the store with the clip (no second key, and an edited clip re-encodes both at once). The loss covers
 the frames the model generates. An image (one latent frame) has nothing to generate from a condition and trains as
-text-to-image, as TI2V-5B does. For a text-to-video LoRA of the same checkpoint use family `wan`.
+text-to-image, as TI2V-5B does. Samples are image-to-video: each prompt names its first frame (`control:`). For a
+text-to-video LoRA of the same checkpoint use family `wan`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ class WanTI2VAdapter(WanAdapter):
         predicted = prediction.shape[1] * patch[0] // ((height // patch[1]) * (width // patch[2]))
         full = unpatchify(prediction, torch.empty(b, c, predicted, height, width, device="meta"), patch)
         return full[:, :, predicted - frames:]
+
+    # ---- sample side -------------------------------------------------------------------------------
+    samples_need_control: ClassVar[bool] = True  # each sample prompt names its first frame (`control:`)
+
+    def pipeline_class(self) -> type:
+        from diffusers import WanImageToVideoPipeline
+
+        return WanImageToVideoPipeline
+
+    def sample_pipeline(self, denoiser: torch.nn.Module, vae: torch.nn.Module) -> object:
+        """WanImageToVideoPipeline as TI2V-5B runs it: one timestep per token, no CLIP image encoder."""
+        pipe = super().sample_pipeline(denoiser, vae)
+        pipe.register_to_config(expand_timesteps=True)
+        return pipe
+
+    def sample_control_inputs(self, image: object) -> dict:
+        """The prompt's first frame, which the pipeline encodes and keeps clean as training keeps a clip's."""
+        return {"image": image}
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

@@ -29,10 +29,10 @@ def check_prompt(adapter: Adapter, prompt: SamplePrompt) -> None:
     another family, or not a file)."""
     from diffusion_pipe.config import ConfigError
 
-    edits = adapter.capabilities.conditioning_latents > 0
+    edits = adapter.samples_need_control
     if edits and not prompt.control:
         raise ConfigError(f"train.samples.prompts: prompt {prompt.prompt!r} has no control image; family "
-                          f"'{adapter.name}' edits one: give the prompt `control: path/to/image.png`")
+                          f"'{adapter.name}' renders from one: give the prompt `control: path/to/image.png`")
     if prompt.control and not edits:
         raise ConfigError(f"train.samples.prompts: prompt {prompt.prompt!r} has a control image, but family "
                           f"'{adapter.name}' renders from text alone; remove `control`")
@@ -52,13 +52,13 @@ def check_prompt(adapter: Adapter, prompt: SamplePrompt) -> None:
 def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, ...], texts: dict[str, TensorDict],
                    device: torch.device) -> list[np.ndarray]:
     """Pixels (frames, height, width, 3) uint8 of each resolved prompt, in order; `texts` holds the stored text
-    entry of every prompt and negative prompt. Prompts that share size, frames, steps and guidance render as
-    one batch (one pass of the pipeline), each from the noise of its own seed."""
+    entry of every prompt and negative prompt. Prompts that share size, frames, steps, guidance and control image
+    render as one batch (one pass of the pipeline), each from the noise of its own seed."""
     out: list[np.ndarray | None] = [None] * len(prompts)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
-        groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale), []).append(i)
-    for (width, height, frames, steps, guidance, cfg_scale), members in groups.items():
+        groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale, p.control), []).append(i)
+    for (width, height, frames, steps, guidance, cfg_scale, _control), members in groups.items():
         calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts.get(prompts[i].negative_prompt), guidance,
                                        cfg_scale) for i in members]
         for call, i in zip(calls, members):
@@ -89,12 +89,8 @@ def control_image(path: str, width: int, height: int) -> object:
 
 def _join(values: list, device: torch.device) -> object:
     """One pipeline argument from the prompts of a batch: tensors concatenated, lists (a tensor per prompt, as
-    ZImagePipeline takes its embeddings) joined, images (control images) listed, anything else (a scale) the
-    first prompt's."""
-    from PIL import Image
-
-    if isinstance(values[0], Image.Image):
-        return list(values)
+    ZImagePipeline takes its embeddings) joined, anything else (a scale; the control image, which a batch's
+    prompts share) the first prompt's."""
     if isinstance(values[0], torch.Tensor):
         return torch.cat(values).to(device)
     if isinstance(values[0], list):

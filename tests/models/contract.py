@@ -298,7 +298,7 @@ class AdapterContract:
         width = height = multiple * max(1, -(-32 // multiple))  # about 32 pixels, as the family allows
         frames = self.media_sizes[-1][2]
         controls = []
-        if adapter.capabilities.conditioning_latents:
+        if adapter.samples_need_control:
             for i, colour in enumerate(((200, 30, 30), (30, 30, 200))):
                 controls.append(str(tmp_path / f"control{i}.png"))
                 Image.new("RGB", (48, 40), colour).save(controls[-1])

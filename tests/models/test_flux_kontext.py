@@ -84,7 +84,7 @@ def test_sample_prompts_of_an_edit_family_need_a_control_image(model_dir, tmp_pa
 
     adapter = FluxKontextAdapter(model_dir, torch.float32)
     with pytest.raises(ConfigError, match=r"prompt 'make it green' has no control image; family 'flux_kontext' "
-                                          r"edits one: give the prompt `control: path/to/image.png`"):
+                                          r"renders from one: give the prompt `control: path/to/image.png`"):
         check_prompt(adapter, SamplePrompt("make it green", width=32, height=32, frames=1))
     with pytest.raises(ConfigError, match=r"control image .*nope.png is not a file"):
         check_prompt(adapter, SamplePrompt("make it green", width=32, height=32, frames=1,
