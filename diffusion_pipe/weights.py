@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from diffusion_pipe.fileio import write_json_atomic
@@ -32,6 +33,9 @@ def _stamp(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
+_ANNOUNCE_BYTES = 1 << 30  # weights files this large get a line when they are hashed
+
+
 def file_hash_cached(path: Path, cache_dir: Path | None = None) -> str:
     """xxh3-128 of the file's bytes, reused while its (absolute path, size, mtime_ns, inode) are unchanged.
 
@@ -46,6 +50,9 @@ def file_hash_cached(path: Path, cache_dir: Path | None = None) -> str:
         entry = json.loads(entry_path.read_bytes())
         if entry["path"] == str(path) and all(entry[k] == v for k, v in stamp.items()):
             return str(entry["xxh3_128"])
+    if before.st_size >= _ANNOUNCE_BYTES:  # seconds to minutes, once per file: say what the wait is
+        print(f"hashing {path} ({before.st_size / 2**30:.1f} GiB; once, then cached while the file is unchanged)",
+              file=sys.stderr)
     digest = hash_file(path)
     # A file rewritten while we read it gives a hash of neither version: return it, but do not cache it.
     if _stamp(path.stat()) == stamp:

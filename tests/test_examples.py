@@ -5,6 +5,7 @@ from one of them, or a family whose export or samples break, fails here)."""
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def test_bundled_example_runs_through_dvc_repro(tmp_path, example):
     repo = make_pipeline_repo(tmp_path / "repo", store)
     params = yaml.safe_load((REPO / "examples" / example / "params.yaml").read_text())
     (repo / "params.yaml").write_text(yaml.safe_dump(_short(params), sort_keys=False))
-    run_checked([sys.executable, "-m", "dvc", "repro", "-q"], cwd=repo, env=run_env(store))
+    repro = run_checked([sys.executable, "-m", "dvc", "repro", "-q"], cwd=repo, env=run_env(store))
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert set(lock) == {"scan", "encode", "train", "export", "sample"}  # every stage ran and was recorded
@@ -49,6 +50,8 @@ def test_bundled_example_runs_through_dvc_repro(tmp_path, example):
     sample = json.loads((repo / "reports/sample.json").read_text())
     prompts = params["train"]["samples"]["prompts"]
     assert len(sample["prompts"]) == len(prompts)
+    if prompts:  # rendering shows progress, in training and in the sample stage
+        assert re.search(r"samples: +\d+%\|", repro.stderr) and re.search(r"sample: +\d+%\|", repro.stderr)
     if prompts:  # a row per prompt: without | with the LoRA, after the image it edits for an edit family
         columns = 3 if prompts[0].get("control") else 2
         cell = max(p.get("width") or params["train"]["samples"].get("width", 512) for p in prompts)

@@ -39,6 +39,24 @@ def test_cache_returns_stored_hash_until_stat_changes(tmp_path: Path) -> None:
     assert json.loads(entry.read_text())["xxh3_128"] == second
 
 
+def test_hashing_a_large_file_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Hashing a multi-GiB weights file takes seconds to minutes: a line names the file the first time, none once
+    the hash is cached."""
+    import diffusion_pipe.weights as weights
+
+    monkeypatch.setattr(weights, "_ANNOUNCE_BYTES", 10)
+    big, small = tmp_path / "big.safetensors", tmp_path / "small.json"
+    big.write_bytes(b"x" * 100)
+    small.write_bytes(b"{}")
+    weights.file_hash_cached(big, tmp_path / "cache")
+    weights.file_hash_cached(small, tmp_path / "cache")
+    assert capsys.readouterr().err.splitlines() == [
+        f"hashing {big.resolve()} (0.0 GiB; once, then cached while the file is unchanged)"]
+    weights.file_hash_cached(big, tmp_path / "cache")
+    assert capsys.readouterr().err == ""
+
+
 def test_cache_keys_by_inode(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     f = tmp_path / "w.bin"

@@ -8,6 +8,7 @@ lives in `diffusion_pipe.train.objectives`, parallelism in `diffusion_pipe.train
 from __future__ import annotations
 
 import json
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,7 +256,7 @@ class Adapter(ABC):
         components |= {self.denoiser_dir().name: denoiser, "vae": vae,
                        "scheduler": scheduler_cls.from_pretrained(scheduler_dir)}
         pipe = cls(**components)
-        pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 
     @property

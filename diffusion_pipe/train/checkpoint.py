@@ -167,6 +167,7 @@ class Checkpoints:
         the newest `keep` checkpoints afterwards."""
         step, rank = state["step"], self.dist.rank
         path = self.directory / f"step{step}"
+        started = time.perf_counter()
         rng = _gather_rng(self.dist)
         if rank == 0 and (path / MANIFEST).exists():  # an older save of this step (a run resumed before it)
             (path / MANIFEST).unlink()
@@ -193,6 +194,10 @@ class Checkpoints:
             if keep:
                 for _, old in step_dirs(self.directory)[keep:]:
                     shutil.rmtree(old, ignore_errors=True)
+            from tqdm import tqdm  # writes above the training bar
+
+            tqdm.write(f"train: checkpoint of step {step} saved to {path} in {time.perf_counter() - started:.1f} s",
+                       file=sys.stderr)
         self.last_step = step
 
     def load(self, path: Path) -> dict:

@@ -106,8 +106,11 @@ def test_checkpoints_by_time_and_pruning(encoded_repo, tmp_path):
                                                        "keep_checkpoints: 2\n  checkpoint_every_minutes: 1.0e-9"))
     (tmp_path / "plain.yaml").write_text(params)
     runs = tmp_path / "runs"
-    run_checked([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo, env=run_env(store))
+    timed_run = run_checked([*train_cmd(runs), "--params", str(tmp_path / "timed.yaml")], cwd=repo,
+                            env=run_env(store))
     (run_dir,) = (runs / "checkpoints").iterdir()
+    for step in range(1, 7):  # each save says so, where and how long it took
+        assert f"train: checkpoint of step {step} saved to {run_dir / f'step{step}'} in " in timed_run.stderr
     assert sorted(p.name for p in run_dir.glob("step*")) == ["step5", "step6"]
     assert (run_dir / "latest").read_text().strip() == "step6"
     again = run_checked([*train_cmd(runs), "--params", str(tmp_path / "plain.yaml")], cwd=repo, env=run_env(store))
