@@ -61,8 +61,9 @@ EXPORT_TESTS = ("tests/export/test_export_stage.py", "tests/export/test_merge.py
 
 MUTATIONS: list[Mutation] = [
     # keys, and what encode feeds them
-    Mutation("encode-empty-vae-hash", ENCODE, "vae_hash=vae_hash, vae_dtype=model.dtype)",
-             'vae_hash="", vae_dtype=model.dtype)', PLAN_TESTS, "latent keys ignore the VAE's weights"),
+    Mutation("encode-empty-vae-hash", ENCODE, 'frames=frames_spec(row["media"], frames, start, stride), vae_hash=vae_hash,',
+             'frames=frames_spec(row["media"], frames, start, stride), vae_hash="",', PLAN_TESTS,
+             "latent keys ignore the VAE's weights"),
     Mutation("encode-constant-text-max-length", ENCODE, "max_length=encode.text_max_length, dtype=model.dtype)",
              "max_length=512, dtype=model.dtype)", PLAN_TESTS, "text keys ignore encode.text_max_length"),
     Mutation("encode-empty-tokenizer-hashes", ENCODE, "tokenizer_hashes=tokenizer_hashes, max_length",
