@@ -7,6 +7,7 @@ those keys, so editing one key re-runs only the stages that read it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -67,6 +68,7 @@ class DatasetParams:
     frame_windows: int = 0
     never_upscale: bool = False
     caption_policy: Literal["error", "default", "skip"] = "error"
+    caption_extension: str = ".txt"  # a caption file is the media file's base name + this (e.g. ".caption")
     default_caption: str = ""
     caption_prefix: str = ""
     eval_fraction: float = 0.0
@@ -91,6 +93,9 @@ class DatasetParams:
             raise ValueError(f"dataset {self.path!r}: resolutions must be positive, got {self.resolutions}")
         if not self.frames or min(self.frames) <= 0:
             raise ValueError(f"dataset {self.path!r}: frames must be positive, got {self.frames}")
+        if not re.fullmatch(r"\.[A-Za-z0-9_]+", self.caption_extension):
+            raise ValueError(f"dataset {self.path!r}: caption_extension {self.caption_extension!r} is not a file "
+                             "extension such as '.txt' or '.caption'")
         if self.frame_windows and self.frame_extraction != "windows":
             raise ValueError(f"dataset {self.path!r}: frame_windows is {self.frame_windows}, but frame_extraction is "
                              f"{self.frame_extraction!r}; set frame_extraction: windows (or drop frame_windows)")

@@ -51,7 +51,7 @@ class Listing:
     kinds: list[Kind] = field(default_factory=list)
     stats: list[StatKey | None] = field(default_factory=list)
     problems: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (problem, detail)
-    ignored_files: int = 0  # neither media nor .txt
+    ignored_files: int = 0  # neither media nor captions
     warnings: list[str] = field(default_factory=list)
 
     @functools.cached_property
@@ -63,16 +63,17 @@ class Listing:
                 for i, (rel, kind, st) in enumerate(zip(self.rels, self.kinds, self.stats))]
 
 
-_KINDS: dict[str, Kind] = {**{ext: "media" for ext in (*IMAGE_EXTS, *VIDEO_EXTS)}, ".txt": "caption"}
+_MEDIA_KINDS: dict[str, Kind] = {ext: "media" for ext in (*IMAGE_EXTS, *VIDEO_EXTS)}
 _REGULAR_MASK, _REGULAR = 0o170000, 0o100000  # stat.S_IFMT's mask, stat.S_IFREG
 _name = operator.attrgetter("name")
 
 
-def list_dataset(root: str, follow_outside_links: bool = False) -> Listing:
-    """Walk `root` and return its media and caption files, sorted by relative path.
+def list_dataset(root: str, follow_outside_links: bool = False, caption_extension: str = ".txt") -> Listing:
+    """Walk `root` and return its media and caption files (`caption_extension`, any case), sorted by relative path.
 
     Symlinks resolving outside `root` are followed only with `follow_outside_links` (see the module docstring).
     """
+    kinds_by_ext = {**_MEDIA_KINDS, caption_extension.lower(): "caption"}
     out = Listing(root=root)
     rels, kinds, stats, problems = out.rels, out.kinds, out.stats, out.problems
     real_root = os.path.join(os.path.realpath(root), "")  # with a trailing separator: a prefix of inside paths
@@ -127,7 +128,7 @@ def list_dataset(root: str, follow_outside_links: bool = False) -> Listing:
                 subdirs.append(rel)
                 continue
             _, dot, suffix = name.rpartition(".")
-            kind = _KINDS.get("." + suffix.lower()) if dot else None
+            kind = kinds_by_ext.get("." + suffix.lower()) if dot else None
             if kind is None:
                 out.ignored_files += 1
                 continue

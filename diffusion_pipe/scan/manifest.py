@@ -139,8 +139,10 @@ def _caption_stem(rel: str) -> str:
 _CAPTION_PROBLEMS = {"outside_root": "caption_outside_root"}
 
 
-def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead]) -> dict[str, CaptionRead]:
-    """Map 'dir/name' (no extension) to the read of 'dir/name.txt'; a lower-case '.txt' wins over '.TXT'."""
+def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead],
+                     extension: str = ".txt") -> dict[str, CaptionRead]:
+    """Map 'dir/name' (no extension) to the read of 'dir/name.txt' (the dataset's caption extension); the
+    extension as written wins over other cases ('.txt' over '.TXT')."""
     out: dict[str, CaptionRead] = {}
     for e in entries:
         if e.kind != "caption":
@@ -148,7 +150,7 @@ def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead]) ->
         read = CaptionRead(reason=_CAPTION_PROBLEMS.get(e.problem, "caption_unreadable"), detail=e.detail) \
             if e.problem else reads[e.rel]
         stem = _caption_stem(e.rel)
-        if stem not in out or e.rel.endswith(".txt"):
+        if stem not in out or e.rel.endswith(extension):
             out[stem] = read
     return out
 
@@ -197,7 +199,8 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
     with a control directory, its listing and probe results)."""
     p = spec.params
     controls = controls_by_stem(control_entries, control_results or {}) if spec.control_root else None
-    caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)})
+    caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)},
+                                     p.caption_extension)
     rows: list[Row] = []
     bucket_memo: dict[tuple[int, int, int, bool], tuple[tuple[str, ...], str]] = {}
     for e in entries:

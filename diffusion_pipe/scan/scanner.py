@@ -20,7 +20,7 @@ from diffusion_pipe.scan.captions import CaptionRead
 from diffusion_pipe.scan.errors import ScanError
 from diffusion_pipe.scan.files import Listing, list_dataset
 from diffusion_pipe.scan.manifest import DatasetSpec, Row, build_rows, manifest_bytes
-from diffusion_pipe.scan.media import Probe, Task, probe_batch
+from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS, Probe, Task, probe_batch
 from diffusion_pipe.scan.report import build_report, summary_lines
 from diffusion_pipe.scan.snapshot import Snapshot, fingerprint
 
@@ -45,6 +45,9 @@ def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
             raise ConfigError(f"{where}.path: {ds.path!r} is not a directory (paths are relative to {os.getcwd()})")
         if ds.control:
             _check_control_dir(ds.path, ds.control, where)
+        if ds.caption_extension.lower() in (*IMAGE_EXTS, *VIDEO_EXTS):
+            raise ConfigError(f"{where}.caption_extension: {ds.caption_extension!r} is a media extension; captions "
+                              "need one of their own, such as '.txt' or '.caption'")
         layouts = tuple(
             bucket_layout(res, params.bucket_step, params.min_aspect, params.max_aspect) for res in ds.resolutions
         )
@@ -119,7 +122,8 @@ def scan_datasets(
 def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing], list[Listing | None]]:
     """Every dataset's spec (params checked), listing (the walk) and its control directory's listing (or None)."""
     specs = resolve_datasets(params)
-    return (specs, [list_dataset(spec.root, spec.params.follow_outside_links) for spec in specs],
+    return (specs, [list_dataset(spec.root, spec.params.follow_outside_links, spec.params.caption_extension)
+                    for spec in specs],
             [list_dataset(spec.control_root, spec.params.follow_outside_links) if spec.control_root else None
              for spec in specs])
 
@@ -203,8 +207,9 @@ def _check_captions(rows: Sequence[Row], specs: Sequence[DatasetSpec]) -> None:
         if missing:
             shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
             problems.append(
-                f"dataset {spec.name!r} ({spec.root}): {len(missing)} item(s) have no caption (no .txt beside them, "
-                f"or an empty one): {shown}. Write a .txt with the same base name for each, or set "
+                f"dataset {spec.name!r} ({spec.root}): {len(missing)} item(s) have no caption (no "
+                f"{spec.params.caption_extension} beside them, or an empty one): {shown}. Write a "
+                f"{spec.params.caption_extension} with the same base name for each, or set "
                 f"caption_policy to 'default' (with default_caption) or 'skip' in params.yaml scan.datasets[{i}]"
             )
     if problems:

@@ -185,6 +185,28 @@ def test_missing_captions_skip_and_default(tmp_path: Path, ds: Path) -> None:
     assert report["caption_sources"] == {"default": 2, "txt": 1}
 
 
+def test_caption_extension_per_dataset(tmp_path: Path, ds: Path) -> None:
+    """`caption_extension: .caption` reads `a.caption` beside `a.png` (any case, the exact one preferred); `.txt`
+    files are then neither captions nor media (counted as ignored), and a missing caption names the extension.
+    A media extension is refused, naming the param."""
+    make_image(ds / "a.png", caption=None)
+    (ds / "a.caption").write_text("from the caption file")
+    (ds / "a.txt").write_text("not read")
+    make_image(ds / "b.png", caption=None, color=(9, 9, 9))
+    (ds / "b.CAPTION").write_text("upper case")
+    rows, report, _ = run(tmp_path, params_for(ds, caption_extension=".caption"))
+    r = by_path(rows)
+    assert r["a.png"]["caption"] == "from the caption file" and r["b.png"]["caption"] == "upper case"
+    assert report["ignored_files"] == 1
+    make_image(ds / "c.png", caption=None, color=(7, 7, 7))
+    with pytest.raises(ScanError, match=r"1 item\(s\) have no caption \(no \.caption beside them.*c\.png"):
+        run(tmp_path, params_for(ds, caption_extension=".caption"))
+    with pytest.raises(ConfigError, match=r"scan.datasets\[0\].caption_extension: '.png' is a media extension"):
+        run(tmp_path, params_for(ds, caption_extension=".png"))
+    with pytest.raises(ValueError, match=r"caption_extension 'txt' is not a file extension"):
+        DatasetParams(path=str(ds), caption_extension="txt")
+
+
 def test_non_utf8_caption_excludes_the_item(tmp_path: Path, ds: Path) -> None:
     make_image(ds / "a.png")
     (ds / "a.txt").write_bytes("caf\xe9".encode("latin-1"))
