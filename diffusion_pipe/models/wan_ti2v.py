@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from diffusion_pipe.models.base import Capabilities, TensorDict
-from diffusion_pipe.models.wan import MODEL_INDEX, WanAdapter, unpatchify
+from diffusion_pipe.models.wan import MODEL_INDEX, WanAdapter
 
 
 class WanTI2VAdapter(WanAdapter):
@@ -56,9 +56,9 @@ class WanTI2VAdapter(WanAdapter):
         """The prediction in the target's layout: a clip's first frame (the condition) dropped when `like` is the
         target of the frames after it."""
         b, c, frames, height, width = like.shape
-        patch = tuple(self.component_config("transformer")["patch_size"])
-        predicted = prediction.shape[1] * patch[0] // ((height // patch[1]) * (width // patch[2]))
-        full = unpatchify(prediction, torch.empty(b, c, predicted, height, width, device="meta"), patch)
+        pt, ph, pw = self.component_config("transformer")["patch_size"]
+        predicted = prediction.shape[1] * pt // ((height // ph) * (width // pw))
+        full = super().prediction_to_latents(prediction, torch.empty(b, c, predicted, height, width, device="meta"))
         return full[:, :, predicted - frames:]
 
     # ---- sample side -------------------------------------------------------------------------------

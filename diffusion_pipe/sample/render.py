@@ -58,13 +58,12 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale, p.control), []).append(i)
-    for (width, height, frames, steps, guidance, cfg_scale, _control), members in groups.items():
+    for (width, height, frames, steps, guidance, cfg_scale, control), members in groups.items():
         calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts.get(prompts[i].negative_prompt), guidance,
                                        cfg_scale) for i in members]
-        for call, i in zip(calls, members):
-            if prompts[i].control:  # edit families: the image the prompt edits
-                call |= adapter.sample_control_inputs(control_image(prompts[i].control, width, height))
         kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
+        if control:  # the image the group's prompts edit (or start from), read once for the batch
+            kwargs |= adapter.sample_control_inputs(control_image(control, width, height))
         if "video" in adapter.capabilities.media:
             kwargs["num_frames"] = frames
         result = pipe(height=height, width=width, num_inference_steps=steps, output_type="np",
@@ -89,8 +88,7 @@ def control_image(path: str, width: int, height: int) -> object:
 
 def _join(values: list, device: torch.device) -> object:
     """One pipeline argument from the prompts of a batch: tensors concatenated, lists (a tensor per prompt, as
-    ZImagePipeline takes its embeddings) joined, anything else (a scale; the control image, which a batch's
-    prompts share) the first prompt's."""
+    ZImagePipeline takes its embeddings) joined, anything else (a scale) the first prompt's."""
     if isinstance(values[0], torch.Tensor):
         return torch.cat(values).to(device)
     if isinstance(values[0], list):
