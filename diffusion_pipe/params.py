@@ -53,7 +53,8 @@ class DatasetParams:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "repeats": Range(1, 10_000), "resolutions": Range(16, 16_384), "frames": Range(1, 10_000),
-        "eval_fraction": _FRACTION, "frame_windows": Range(0, 10_000),
+        "eval_fraction": _FRACTION, "frame_windows": Range(0, 10_000), "loss_weight": Range(0, 1000, lo_open=True),
+        "shuffle_tags": Range(0, 1000), "keep_tags": Range(0, 1000),
     }
 
     path: str
@@ -71,6 +72,14 @@ class DatasetParams:
     caption_extension: str = ".txt"  # a caption file is the media file's base name + this (e.g. ".caption")
     default_caption: str = ""
     caption_prefix: str = ""
+    # Tag shuffling (scan/captions.py): each caption also trains as `shuffle_tags` orders of its tags (split at
+    # `tag_separator`), the first `keep_tags` tags kept in place; encode embeds each order, train picks one per
+    # sample and step. 0: the caption as written.
+    shuffle_tags: int = 0
+    keep_tags: int = 0
+    tag_separator: str = ","
+    # Each training sample's loss is multiplied by this (a dataset that should count more, or less, per sample).
+    loss_weight: float = 1.0
     eval_fraction: float = 0.0
     # Follow symlinks whose target lies outside `path` (off: such links are excluded rows, never read).
     follow_outside_links: bool = False
@@ -99,6 +108,12 @@ class DatasetParams:
         if self.frame_windows and self.frame_extraction != "windows":
             raise ValueError(f"dataset {self.path!r}: frame_windows is {self.frame_windows}, but frame_extraction is "
                              f"{self.frame_extraction!r}; set frame_extraction: windows (or drop frame_windows)")
+        if (self.keep_tags or self.tag_separator != ",") and not self.shuffle_tags:
+            raise ValueError(f"dataset {self.path!r}: keep_tags and tag_separator apply to tag shuffling, but "
+                             "shuffle_tags is 0; set shuffle_tags to the number of tag orders to train on")
+        if not self.tag_separator.strip():
+            raise ValueError(f"dataset {self.path!r}: tag_separator {self.tag_separator!r} is blank; captions are "
+                             "normalised to single spaces, so use a visible separator such as ',' or ';'")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"dataset {self.path!r}: eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.caption_policy == "default" and not self.default_caption:

@@ -51,6 +51,10 @@ ENCODED_SCHEMA = pa.schema([
 # Edit families' tables add the latent keys of each sample's control images. Only theirs: a column every table
 # carried would change the bytes of every existing table, and so retrain every existing run once, for nothing.
 CONDITIONING_FIELD = pa.field("conditioning_latent_keys", pa.list_(pa.string()))
+# Likewise the text keys of a sample's tag orders (scan.datasets[].shuffle_tags), which train in place of its
+# caption, and its loss weight (scan.datasets[].loss_weight): only in tables with a sample that has them.
+VARIANTS_FIELD = pa.field("text_variant_keys", pa.list_(pa.string()))
+LOSS_WEIGHT_FIELD = pa.field("loss_weight", pa.float64())
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class Sample:
     conditioning_keys: tuple[str, ...] = ()  # their latent keys, at this sample's bucket
     frame_start: int = 0  # a video's window: its first frame and the step between its frames
     frame_stride: int = 1
+    caption_variants: tuple[str, ...] = ()  # its caption's tag orders (shuffle_tags), and their text keys
+    variant_keys: tuple[str, ...] = ()
+    loss_weight: float = 1.0
 
     @property
     def sample_id(self) -> str:
@@ -144,8 +151,10 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
         if row["status"] != "ok":
             continue
         check_conditioning(row, adapter)
-        tkey = text_key(caption=row["caption"], template=template, encoder_hashes=encoder_hashes,
-                        tokenizer_hashes=tokenizer_hashes, max_length=encode.text_max_length, dtype=model.dtype)
+        tkey, *vkeys = (text_key(caption=c, template=template, encoder_hashes=encoder_hashes,
+                                 tokenizer_hashes=tokenizer_hashes, max_length=encode.text_max_length,
+                                 dtype=model.dtype)
+                        for c in (row["caption"], *(row.get("caption_variants") or ())))
         for bucket in row["buckets"]:
             width, height, frames = parse_bucket(bucket)
             if width % multiple or height % multiple:
@@ -166,7 +175,9 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                   vae_dtype=model.dtype)
                 samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
                                       row["content_hash"], row["caption"], lkey, tkey, row["media"],
-                                      tuple(row.get("control_paths") or ()), ckeys, start, stride))
+                                      tuple(row.get("control_paths") or ()), ckeys, start, stride,
+                                      tuple(row.get("caption_variants") or ()), tuple(vkeys),
+                                      row.get("loss_weight", 1.0)))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
@@ -294,15 +305,27 @@ def _publish(store: Store, family: str, encode: EncodeParams, batches: Iterator[
     return writer.written, writer.packs
 
 
+# The optional columns: each with its value for a sample and the value that needs no column.
+_OPTIONAL_COLUMNS = (
+    (CONDITIONING_FIELD, lambda s: list(s.conditioning_keys), []),
+    (VARIANTS_FIELD, lambda s: list(s.variant_keys), []),
+    (LOSS_WEIGHT_FIELD, lambda s: s.loss_weight, 1.0),
+)
+
+
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
-    """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted); with
-    control images, their latent keys in one more column (CONDITIONING_FIELD)."""
-    conditioned = any(s.conditioning_keys for s in samples)
+    """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted); an
+    optional column (control images' latent keys, tag orders' text keys, loss weights) is added when a sample
+    has a value for it other than its default."""
+    columns = [(f, value) for f, value, default in _OPTIONAL_COLUMNS if any(value(s) != default for s in samples)]
+    schema = ENCODED_SCHEMA
+    for f, _ in columns:
+        schema = schema.append(f)
     table = pa.Table.from_pylist(
         [{"sample_id": s.sample_id, "dataset": s.dataset, "path": s.path, "bucket": s.bucket, "split": s.split,
           "repeats": s.repeats, "latent_key": s.latent_key, "text_key": s.text_key,
-          **({CONDITIONING_FIELD.name: list(s.conditioning_keys)} if conditioned else {})} for s in samples],
-        schema=ENCODED_SCHEMA.append(CONDITIONING_FIELD) if conditioned else ENCODED_SCHEMA,
+          **{f.name: value(s) for f, value in columns}} for s in samples],
+        schema=schema,
     )
     with atomic_writer(path) as fh:
         pq.write_table(table, fh, compression="zstd", write_statistics=False, store_schema=False)
@@ -390,6 +413,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
 
     sources = latent_sources(samples, roots, control_roots)
     captions = {s.text_key: s.caption for s in samples}
+    captions |= {k: text for s in samples for k, text in zip(s.variant_keys, s.caption_variants)}
     empty = {""} if caption_dropout else set()  # the caption that dropped samples take
     prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)} | empty)
     captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,

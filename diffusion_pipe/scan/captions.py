@@ -8,13 +8,22 @@ with reason 'caption_not_utf8' whatever the policy: guessing an encoding would t
 report names the file so it can be fixed.
 A caption file over `scan.max_caption_bytes` excludes its item with reason 'caption_too_long', and no more
 than the limit is read (a 50 MB caption took 3.7 GB of memory in encode).
+
+Tag shuffling (`shuffle_tags` on a dataset): a caption's tags (split at `tag_separator`, blank ones dropped) are
+also written in `shuffle_tags` other orders, the first `keep_tags` tags and the `caption_prefix` staying in
+front. The orders are drawn from an RNG seeded by the caption's text alone, so a caption always gets the same
+orders (on every machine and run), editing one caption changes only its orders, and raising `shuffle_tags`
+keeps the orders already drawn (encode embeds only the new ones). Repeated orders are listed once.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from typing import Literal
+
+from diffusion_pipe.hashing import hash_json
 
 CaptionSource = Literal["txt", "default", "none"]
 
@@ -87,3 +96,20 @@ def resolve_caption(
     if policy == "default":
         return ResolvedCaption(prefix + normalise_caption(default_caption), "default", missing=True)
     return ResolvedCaption("", "none", "missing_caption", missing=True)
+
+
+def tag_orders(text: str, count: int, keep: int, separator: str) -> tuple[str, ...]:
+    """`count` orders of the tags of `text` (a caption without its prefix), its first `keep` tags in place, each
+    order listed once. Pure: the orders depend on (text, count, keep, separator) only, and the first n of
+    `count` are those of `count` = n. Tags are rejoined as written: with `separator` and a space when `text` had
+    one after its separators, else with `separator` alone."""
+    tags = [tag.strip() for tag in text.split(separator)]
+    tags = [tag for tag in tags if tag]
+    joiner = separator + " " if separator + " " in text else separator
+    kept, rest = tags[:keep], tags[keep:]
+    rng = random.Random(hash_json(["shuffle_tags", text, separator]))
+    orders: dict[str, None] = {}
+    for _ in range(count):
+        rng.shuffle(rest)
+        orders.setdefault(joiner.join(kept + rest))
+    return tuple(orders)

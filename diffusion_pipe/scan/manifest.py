@@ -45,11 +45,11 @@ from diffusion_pipe.bucket_labels import parse_bucket
 from diffusion_pipe.hashing import hash_bytes
 from diffusion_pipe.params import DatasetParams
 from diffusion_pipe.scan.buckets import Bucket, frame_windows, item_buckets
-from diffusion_pipe.scan.captions import CaptionRead, resolve_caption
+from diffusion_pipe.scan.captions import CaptionRead, resolve_caption, tag_orders
 from diffusion_pipe.scan.files import Entry
 from diffusion_pipe.scan.media import Probe, media_kind
 
-MANIFEST_VERSION = "3"  # 2: control_paths, control_hashes; 3: frame_starts, frame_stride
+MANIFEST_VERSION = "4"  # 2: control_paths, control_hashes; 3: frame_starts, frame_stride; 4: caption_variants, loss_weight
 
 SCHEMA = pa.schema(
     [
@@ -76,6 +76,9 @@ SCHEMA = pa.schema(
         # between its frames (scan.datasets[].frame_extraction); images: [0] and 1
         pa.field("frame_starts", pa.list_(pa.int32()), nullable=False),
         pa.field("frame_stride", pa.int32(), nullable=False),
+        # the caption's tag orders that train in its place (scan.datasets[].shuffle_tags; captions.py), [] for none
+        pa.field("caption_variants", pa.list_(pa.string()), nullable=False),
+        pa.field("loss_weight", pa.float64(), nullable=False),  # scan.datasets[].loss_weight
     ],
     metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
 )
@@ -117,6 +120,8 @@ class Row:
     control_hashes: tuple[str, ...] = ()
     frame_starts: tuple[int, ...] = (0,)
     frame_stride: int = 1
+    caption_variants: tuple[str, ...] = ()
+    loss_weight: float = 1.0
     detail: str = ""
     caption_missing: bool = False
 
@@ -225,6 +230,11 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             if shape not in bucket_memo:  # datasets repeat a few shapes many times
                 bucket_memo[shape] = item_buckets(*shape, spec.layouts, p.frames, p.never_upscale)
             labels, reason = bucket_memo[shape]
+        variants: tuple[str, ...] = ()
+        if p.shuffle_tags and not reason:
+            body = cap.caption[len(p.caption_prefix):]  # the caption is prefix + text (resolve_caption)
+            variants = tuple(p.caption_prefix + order
+                             for order in tag_orders(body, p.shuffle_tags, p.keep_tags, p.tag_separator))
         starts, stride = (0,), 1
         if labels and probe.media == "video":  # every label of an item has the same frame count
             starts, stride = frame_windows(probe.num_frames, parse_bucket(labels[0])[2], p.frame_extraction,
@@ -237,7 +247,7 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             repeats=p.repeats, status="excluded" if reason else "ok", reason=reason,
             control_paths=(control.path,) if control.content_hash else (),
             control_hashes=(control.content_hash,) if control.content_hash else (),
-            frame_starts=starts, frame_stride=stride,
+            frame_starts=starts, frame_stride=stride, caption_variants=variants, loss_weight=p.loss_weight,
             detail=probe.detail if probe.reason else cap.detail if cap.reason else control.detail,
             caption_missing=cap.missing and not probe.reason,
         ))
@@ -253,7 +263,7 @@ def mark_duplicates(rows: Sequence[Row]) -> list[Row]:
         if r.status == "ok":
             first = seen.setdefault((r.content_hash, r.control_hashes), r.path)
             if first != r.path:
-                r = Row(**{**r.__dict__, "status": "excluded", "reason": "duplicate", "buckets": (),
+                r = Row(**{**r.__dict__, "status": "excluded", "reason": "duplicate", "buckets": (), "caption_variants": (),
                            "detail": f"same content as {first}"})
         out.append(r)
     return out
@@ -263,7 +273,7 @@ def manifest_table(rows: Sequence[Row]) -> pa.Table:
     """The rows as an Arrow table with the manifest schema, sorted by (dataset, path)."""
     ordered = sorted(rows, key=lambda r: (r.dataset, r.path))
     cols = {name: [getattr(r, name) for r in ordered] for name in SCHEMA.names}
-    for name in ("buckets", "control_paths", "control_hashes", "frame_starts"):
+    for name in ("buckets", "control_paths", "control_hashes", "frame_starts", "caption_variants"):
         cols[name] = [list(b) for b in cols[name]]
     return pa.Table.from_pydict(cols, schema=SCHEMA)
 

@@ -2,8 +2,9 @@
 
 Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
 whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
-buckets (ok items per bucket), video_windows (the windows ok videos train as), samples_per_epoch (train items
-x buckets x windows x repeats). Top level also:
+buckets (ok items per bucket), video_windows (the windows ok videos train as), tag_orders (the distinct tag
+orders ok captions train as, with shuffle_tags), samples_per_epoch (train items x buckets x windows x
+repeats). Top level also:
 excluded_examples (first paths per reason, with the error), excluded_first (the first excluded rows in manifest
 order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
@@ -36,6 +37,7 @@ def _counts(rows: Sequence[Row]) -> dict[str, Any]:
         "buckets": dict(sorted(Counter(b for r in ok for b in r.buckets).items())),
         # Windows the ok videos train as (scan.datasets[].frame_extraction; 1 a video unless `windows`).
         "video_windows": sum(len(r.frame_starts) for r in ok if r.media == "video"),
+        "tag_orders": sum(len(r.caption_variants) for r in ok),  # scan.datasets[].shuffle_tags
         # Samples one epoch draws: each ok item once per bucket (and window) it trains at, times its repeats.
         "samples_per_epoch": sum(r.repeats * len(r.buckets) * len(r.frame_starts) for r in ok if r.split == "train"),
     }
@@ -79,12 +81,18 @@ def build_report(
         ds_rows = [r for r in rows if r.dataset == spec.name]
         counts = _counts(ds_rows)
         counts.update(path=spec.params.path, repeats=spec.params.repeats, eval_fraction=spec.params.eval_fraction,
-                      ignored_files=ignored_files.get(spec.name, 0))
+                      loss_weight=spec.params.loss_weight, ignored_files=ignored_files.get(spec.name, 0))
         report["datasets"][spec.name] = counts
         if spec.params.eval_fraction > 0 and counts["ok"] and counts["split"]["eval"] == 0:
             all_warnings.append(
                 f"dataset {spec.name}: eval_fraction is {spec.params.eval_fraction} but no item landed in eval "
                 f"({counts['ok']} ok items); raise eval_fraction or add items"
+            )
+        if spec.params.shuffle_tags and counts["ok"] and counts["tag_orders"] == counts["ok"]:
+            all_warnings.append(
+                f"dataset {spec.name}: shuffle_tags is {spec.params.shuffle_tags}, but no caption has more than "
+                f"keep_tags ({spec.params.keep_tags}) + 1 tags separated by {spec.params.tag_separator!r}, so every "
+                "caption trains in one order; check tag_separator"
             )
     report["ignored_files"] = sum(ignored_files.values())
     report["warnings"] = all_warnings

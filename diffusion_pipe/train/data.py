@@ -45,14 +45,17 @@ class Row:
     latent_key: str
     text_key: str
     conditioning_keys: tuple[str, ...] = ()  # latent entries of its control images (edit families)
+    variant_keys: tuple[str, ...] = ()  # text entries of its caption's tag orders (shuffle_tags): train uses these
+    loss_weight: float = 1.0  # its dataset's loss_weight
 
 
 def read_rows(encoded_path, split: str) -> list[Row]:
     """Rows of one split of the encoded table, in table order (a table without conditioning has no column
-    for it: encode.py's `write_encoded_table`)."""
+    for it, nor for tag orders or loss weights: encode.py's `write_encoded_table`)."""
     table = pq.read_table(encoded_path)
     return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"],
-                tuple(r.get("conditioning_latent_keys") or ()))
+                tuple(r.get("conditioning_latent_keys") or ()), tuple(r.get("text_variant_keys") or ()),
+                r.get("loss_weight", 1.0))
             for r in table.to_pylist() if r["split"] == split]
 
 
@@ -72,7 +75,8 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
         # control images are encoded at their target's bucket: the same latent spec
         for family, key, expected in (("latent", row.latent_key, specs[row.bucket]),
                                       *(("latent", k, specs[row.bucket]) for k in row.conditioning_keys),
-                                      ("text", row.text_key, text_spec)):
+                                      ("text", row.text_key, text_spec),
+                                      *(("text", k, text_spec) for k in row.variant_keys)):
             if not store.contains(family, key):
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
                                 f"{store.root}: {REPAIR_HINT}, or pull them from the store's remote")
@@ -92,6 +96,16 @@ def steps_for_epochs(rows: list[Row], train, dp_world: int) -> int:
         raise DataError(f"train.epochs: the train split has too few samples for one micro-batch of "
                         f"{train.micro_batch_size} per data-parallel rank; lower train.micro_batch_size or add data")
     return -(-train.epochs * per_rank // train.gradient_accumulation_steps)
+
+
+def training_text_keys(rows: list[Row], seed: int, dp_rank: int, position: int) -> list[str]:
+    """The text key each row of the micro-batch at `position` trains with: one of its caption's tag orders
+    (shuffle_tags), drawn from an RNG of (seed, rank, position) so a resumed run draws the same, else its
+    caption's."""
+    if not any(row.variant_keys for row in rows):
+        return [row.text_key for row in rows]
+    rng = random.Random(hash_json(["tag_order", seed, dp_rank, position]))
+    return [rng.choice(row.variant_keys) if row.variant_keys else row.text_key for row in rows]
 
 
 def epoch_order(rows: list[Row], micro_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -199,10 +213,10 @@ class MicroBatches:
     def make(self, indices: list[int], generator: torch.Generator, timesteps: torch.Tensor | None = None,
              text_keys: list[str] | None = None):
         """(inputs, labels) for the pipeline engine: inputs for the first layer, labels = (target,), or
-        (target, per-sample loss weights) with min-SNR weighting. `timesteps`, when given (eval), are fractions
-        of the noise schedule in [0, 1], mapped to the adapter's objective; otherwise they are sampled (and only
-        then do noise offset and loss weights apply, so eval losses stay comparable across runs). `text_keys`
-        replace the rows' captions (caption dropout)."""
+        (target, per-sample loss weights) with min-SNR weighting or datasets' loss weights. `timesteps`, when
+        given (eval), are fractions of the noise schedule in [0, 1], mapped to the adapter's objective; otherwise
+        they are sampled (and only then do noise offset and loss weights apply, so eval losses stay comparable
+        across runs). `text_keys` replace the rows' captions (tag orders, caption dropout)."""
         batch = self.load(indices, text_keys)
         latents = batch.latents
         noise = torch.randn(latents.shape, generator=generator)
@@ -213,20 +227,31 @@ class MicroBatches:
         inputs = self.adapter.conditioned_inputs(noisy, noised.timesteps, batch.text, self.guidance,
                                                  batch.conditioning)
         target = target.to(inputs[0].dtype)
-        if self.min_snr_gamma and timesteps is None:
-            weights = min_snr_weights(_alphas_cumprod(self.adapter), noised.timesteps, self.min_snr_gamma,
+        weights = self._loss_weights(indices, noised.timesteps) if timesteps is None else None
+        return inputs, (target,) if weights is None else (target, weights)
+
+    def _loss_weights(self, indices: list[int], timesteps: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample loss weights of a training batch: min-SNR (train.min_snr_gamma) times each row's dataset
+        loss weight; None when every weight is 1."""
+        weights = None
+        if self.min_snr_gamma:
+            weights = min_snr_weights(_alphas_cumprod(self.adapter), timesteps, self.min_snr_gamma,
                                       self.adapter.objective())
-            return inputs, (target, weights)
-        return inputs, (target,)
+        dataset = [self.rows[i].loss_weight for i in indices]
+        if any(w != 1.0 for w in dataset):
+            dataset_weights = torch.tensor(dataset, dtype=torch.float32)
+            weights = dataset_weights if weights is None else weights * dataset_weights
+        return weights
 
     def at(self, position: int):
         """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
         generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
                                                       16))
         indices = self.indices_at(position)
-        keys = [self.rows[i].text_key for i in indices]
-        dropped = self.caption_dropout.text_keys(self.dp_rank, position, keys) if self.caption_dropout else None
-        return self.make(indices, generator, text_keys=dropped)
+        keys = training_text_keys([self.rows[i] for i in indices], self.seed, self.dp_rank, position)
+        if self.caption_dropout:
+            keys = self.caption_dropout.text_keys(self.dp_rank, position, keys)
+        return self.make(indices, generator, text_keys=keys)
 
 
 class Prefetcher:

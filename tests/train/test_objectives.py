@@ -69,3 +69,31 @@ def test_weighted_mse_is_the_mean_of_weighted_per_sample_errors():
     w = torch.tensor([1.0, 0.5, 0.0])
     assert torch.allclose(mse_loss(pred, target, w), (per_sample * w).mean())
     assert torch.allclose(mse_loss(pred, target, torch.ones(3)), mse_loss(pred, target))
+
+
+def test_loss_weights_multiply_min_snr_by_each_rows_dataset_weight(tmp_path):
+    """MicroBatches' per-sample weights of a training batch: min-SNR times the dataset's loss_weight; None (the
+    plain mean) when every weight is 1."""
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import ModelParams
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.data import MicroBatches, Row, _alphas_cumprod
+    from diffusion_pipe.train.objectives import min_snr_weights
+    from tests.conftest import REPO
+
+    adapter = load_adapter(from_dict(ModelParams, {"family": "sdxl", "path": str(REPO / "examples/sdxl-tiny/model")},
+                                     "model"))
+    rows = [Row("a", "64x64x1", 1, "la", "ta", loss_weight=2.0), Row("b", "64x64x1", 1, "lb", "tb")]
+
+    def weights(gamma: float, rows: list[Row]):
+        loader = MicroBatches(rows, Store(tmp_path), adapter, micro_batch_size=1, seed=0, dp_rank=0, dp_world=1,
+                              timestep_sampling="uniform", flow_shift=1.0, guidance=1.0, min_snr_gamma=gamma)
+        return loader._loss_weights([0, 1], timesteps)
+
+    timesteps = torch.tensor([10, 900])
+    snr = min_snr_weights(_alphas_cumprod(adapter), timesteps, 5.0, adapter.objective())
+    assert snr[0] < 1  # a nearly clean sample: weighted down
+    assert torch.allclose(weights(5.0, rows), snr * torch.tensor([2.0, 1.0]))
+    assert torch.equal(weights(0.0, rows), torch.tensor([2.0, 1.0]))
+    assert weights(0.0, [rows[1], rows[1]]) is None

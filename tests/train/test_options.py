@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
 
@@ -69,3 +70,20 @@ def test_min_snr_weights_the_loss_of_epsilon_families_and_is_refused_for_flow(tm
     # the same first batch and noise: its weighted loss is the plain one with each sample's error weighted by <= 1
     assert weighted[0] <= plain[0] + 1e-7
     assert weighted != plain  # and < 1 wherever a sample's SNR exceeds gamma
+
+
+def test_a_datasets_loss_weight_scales_its_samples_loss(tmp_path):
+    """scan.datasets[].loss_weight reaches the loss through the manifest and the encoded table: the first step
+    (same batch, same noise, same weights) has exactly 3 times the loss, and changing the weight encodes nothing."""
+    repo, store = _encoded_repo(tmp_path)
+    quiet = {"eval_every_steps: 40": "eval_every_steps: 0", "steps: 120": "steps: 2"}
+    _, plain = _train(repo, store, "plain", quiet)
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("eval_fraction: 0.15", "eval_fraction: 0.15\n      loss_weight: 3"))
+    for stage in ("scan", "encode"):
+        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    encode = json.loads((repo / "reports/encode.json").read_text())
+    assert encode["latent"]["computed"] == encode["text"]["computed"] == 0
+    assert {r["loss_weight"] for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()} == {3.0}
+    _, weighted = _train(repo, store, "weighted", quiet)
+    assert weighted[0] == pytest.approx(3 * plain[0], rel=1e-5)
