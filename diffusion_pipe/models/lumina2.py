@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import TOKENIZER_CORPUS, dtype_name, load_component
+from diffusion_pipe.models.common import TOKENIZER_CORPUS, attention_mask, dtype_name, load_component
 
 
 @dataclass
@@ -58,7 +58,9 @@ class Lumina2Embed(nn.Module):
         for layer in self.noise_refiner:
             image = layer(image, None, image_freqs, temb)
         batch = latents.shape[0]
-        mask = torch.zeros(batch, max(seq_lens), dtype=torch.long, device=latents.device)
+        # every item as long: a (B, 1) mask, which the main layers read as none (common.attention_mask)
+        mask = torch.zeros(batch, 1 if len(set(seq_lens)) == 1 else max(seq_lens), dtype=torch.long,
+                           device=latents.device)
         sequence = image.new_zeros(batch, max(seq_lens), image.shape[-1])
         for i, (cap_len, seq_len) in enumerate(zip(cap_lens, seq_lens)):
             mask[i, :seq_len] = 1
@@ -71,7 +73,7 @@ class Lumina2Embed(nn.Module):
 
 class Lumina2Block(nn.Module):
     """One main layer over the joint sequence; takes and returns (sequence, mask, freqs, temb, caption lengths).
-    The transformer skips the mask when every item is as long; so does this layer, which changes nothing."""
+    The transformer skips the mask when every item is as long; so does this layer, told by the mask's shape."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -79,8 +81,7 @@ class Lumina2Block(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sequence, mask, freqs, temb, cap_lens = inputs
-        mask_bool = None if bool(mask.all()) else mask.bool()
-        sequence = self.block(sequence, mask_bool, torch.view_as_complex(freqs), temb)
+        sequence = self.block(sequence, attention_mask(mask), torch.view_as_complex(freqs), temb)
         return sequence, mask, freqs, temb, cap_lens
 
 
@@ -94,7 +95,7 @@ class Lumina2Out(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         sequence, mask, _freqs, temb, cap_lens = inputs
         out = self.norm_out(sequence, temb)
-        image_tokens = int(mask[0].sum() - cap_lens[0])
+        image_tokens = (sequence.shape[1] if mask.shape[1] == 1 else int(mask[0].sum())) - int(cap_lens[0])
         return torch.stack([out[i, int(c):int(c) + image_tokens] for i, c in enumerate(cap_lens)])
 
 

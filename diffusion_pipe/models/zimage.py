@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import attention_mask, dtype_name, load_component, save_tiny_qwen_tokenizer
 from diffusion_pipe.models.wan import TopLevelParameters
 
 # Qwen3's chat template, reduced to what ZImagePipeline renders (one user message, the generation prompt, with
@@ -78,14 +78,6 @@ class ZImageEmbed(nn.Module):
             mask = torch.ones((sequence.shape[0], 1), dtype=torch.bool, device=device)  # see `attention_mask`
         # integers and a real view: what a stage boundary sends (no bool or complex tensors)
         return sequence, mask.long(), torch.view_as_real(freqs).contiguous(), adaln
-
-
-def attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
-    """The main layers' attention mask from the one the first layer sends: None for a (B, 1) mask, which stands for
-    "no item is padded". ZImageTransformer2DModel passes None then, and so must we: a mask, even all ones, keeps
-    scaled_dot_product_attention off its flash kernel (the likely cause of the 37% the H200 bench measured this
-    family behind the plain loop with an all-ones mask; not re-measured). Told by the shape: no device sync."""
-    return None if mask.shape[1] == 1 else mask.bool()
 
 
 class ZImageBlock(nn.Module):

@@ -27,6 +27,35 @@ class TestLumina2Contract(AdapterContract):
                          encoder_attention_mask=inputs[3].bool(), return_dict=False)[0]
 
 
+    def test_attention_is_unmasked_unless_an_item_is_padded(self, adapter, lora_model):
+        """As Lumina2Transformer2DModel: equal-length captions leave the main layers' attention unmasked (the
+        first layer says so by the mask's shape, so no layer waits on the device); captions of different lengths
+        mask the padding, and both give the unsplit forward's prediction."""
+        denoiser, _ = lora_model
+        texts = adapter.encode_text(adapter.load_text_encoders(torch.device("cpu")),
+                                    ["a cat", "a dog", "a red circle on a white background"], 48)
+        layers = adapter.pipeline_layers(denoiser)
+        latents = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+        seen, split = [], []
+        for rows in ([0, 1], [0, 2]):
+            batch = {k: torch.stack([texts[i][k] for i in rows]) for k in texts[0]}
+            x = adapter.model_inputs(latents, torch.tensor([0.3, 0.7]), batch, 1.0)
+            with torch.no_grad():
+                plain = self.unsplit_forward(adapter, denoiser, x, latents)
+                hook = layers[1].block.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
+                try:
+                    for layer in layers:
+                        x = layer(x)
+                finally:
+                    hook.remove()
+            torch.testing.assert_close(adapter.prediction_to_latents(x, latents), plain, rtol=1e-4, atol=1e-5)
+            split.append(x)
+        assert texts[0]["prompt_mask"].sum() == texts[1]["prompt_mask"].sum() != texts[2]["prompt_mask"].sum()
+        assert seen[0] is None
+        assert seen[1].dtype == torch.bool and not seen[1].all() and seen[1].any()
+        assert not torch.allclose(split[0][1], split[1][1])  # the second item's caption changed its prediction
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Lumina2Adapter:
     out = tmp_path_factory.mktemp("lumina2")
