@@ -128,33 +128,29 @@ def check_conditioning(row: dict, adapter: Adapter) -> None:
 
 def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
                       captions: tuple[str, ...]) -> dict[str, str]:
-    """The text key of each caption (or sample prompt): the key `plan_samples` gives a caption of that text."""
+    """The text key of each caption (or sample prompt, or tag order): what `plan_samples` keys captions with."""
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
     encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
     tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
     template = adapter.text_template()
-    return {c: text_key(caption=c, template=template, encoder_hashes=encoder_hashes, tokenizer_hashes=tokenizer_hashes,
-                        max_length=max_length, dtype=model.dtype) for c in captions}
+    return {c: text_key(caption=c, template=template, encoder_hashes=encoder_hashes,
+                        tokenizer_hashes=tokenizer_hashes, max_length=max_length, dtype=model.dtype)
+            for c in captions}
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:
     """Every (item, bucket) of the manifest's usable rows with its latent and text keys. Pure but for hashing
     the encoders' weights files (cached by stat)."""
     vae_hash = component_hash(adapter.vae_dir())
-    encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
-    encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
-    tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
-    template = adapter.text_template()
     multiple = adapter.pixel_multiple
+    rows = [row for row in manifest.to_pylist() if row["status"] == "ok"]
+    texts = caption_text_keys(adapter, model, encode.text_max_length, tuple(
+        {c: None for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}))
     samples = []
-    for row in manifest.to_pylist():
-        if row["status"] != "ok":
-            continue
+    for row in rows:
         check_conditioning(row, adapter)
-        tkey, *vkeys = (text_key(caption=c, template=template, encoder_hashes=encoder_hashes,
-                                 tokenizer_hashes=tokenizer_hashes, max_length=encode.text_max_length,
-                                 dtype=model.dtype)
-                        for c in (row["caption"], *(row.get("caption_variants") or ())))
+        tkey = texts[row["caption"]]
+        vkeys = tuple(texts[c] for c in row.get("caption_variants") or ())
         for bucket in row["buckets"]:
             width, height, frames = parse_bucket(bucket)
             if width % multiple or height % multiple:
@@ -176,7 +172,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                 samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
                                       row["content_hash"], row["caption"], lkey, tkey, row["media"],
                                       tuple(row.get("control_paths") or ()), ckeys, start, stride,
-                                      tuple(row.get("caption_variants") or ()), tuple(vkeys),
+                                      tuple(row.get("caption_variants") or ()), vkeys,
                                       row.get("loss_weight", 1.0)))
     return sorted(samples, key=lambda s: s.sample_id)
 
