@@ -106,6 +106,16 @@ VARIANTS = {
     # with --base-dtype float8 the frozen weights take half the memory: these caps need fewer or no swapped blocks
     "cap24-noswap": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 24},
     "cap16": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 8, "max_gpu_memory_gb": 16},
+    # only a share of the layers recompute (train.activation_checkpointing_share): the rest keep their activations
+    **{f"cap24-noswap-share{round(share * 100)}": {
+        "plain": False, "activation_checkpointing": True, "activation_checkpointing_share": share,
+        "max_gpu_memory_gb": 24} for share in (0.5, 0.6, 0.7, 0.8)},
+    "cap16-compile": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 8, "compile": True,
+                      "max_gpu_memory_gb": 16},
+    "cap24-noswap-compile": {"plain": False, "activation_checkpointing": True, "compile": True,
+                             "max_gpu_memory_gb": 24},
+    "cap24-noswap-share80-compile": {"plain": False, "activation_checkpointing": True, "compile": True,
+                                     "activation_checkpointing_share": 0.8, "max_gpu_memory_gb": 24},
     # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()
     "samples": {"plain": False, "max_gpu_memory_gb": 80},
 }

@@ -301,6 +301,7 @@ class TrainParams:
         "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION, "flow_shift": _POSITIVE,
         "guidance": _AT_LEAST_0, "epochs": _AT_LEAST_0, "noise_offset": Range(0, 1), "min_snr_gamma": _AT_LEAST_0,
         "pipeline_stages": _AT_LEAST_1, "blocks_to_swap": _AT_LEAST_0, "max_gpu_memory_gb": _AT_LEAST_0,
+        "activation_checkpointing_share": Range(0, 1, lo_open=True),
         "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
         "eval_every_steps": _AT_LEAST_0, "eval_timesteps": Range(0, 1),  # a fraction of the noise schedule
         "save_lora_every_steps": _AT_LEAST_0, "caption_dropout": Range(0, 1),
@@ -329,6 +330,9 @@ class TrainParams:
     min_snr_gamma: float = 0.0  # > 0: min-SNR-gamma loss weighting (epsilon / v families; 5 is usual)
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
+    # With activation_checkpointing: the share of each stage's layers that recompute their activations in
+    # backward (spread evenly); the others keep theirs, trading memory for speed (train/pipeline.py).
+    activation_checkpointing_share: float = 1.0
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
     max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
@@ -361,6 +365,9 @@ class TrainParams:
             raise ValueError("epochs, noise_offset and min_snr_gamma must be >= 0")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
+            raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
+                             "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")
 
 
 @dataclass(frozen=True)

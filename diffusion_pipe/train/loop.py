@@ -165,7 +165,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         torch.cuda.set_per_process_memory_fraction(min(1.0, train.max_gpu_memory_gb * 2**30 / total), dist.device)
     layers = apply_block_swap(local.layers, (local.start, local.stop), train.blocks_to_swap, dist.device)
     module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
-                                   train.seed, (local.start, local.stop), compile_layers=train.compile)
+                                   train.seed, (local.start, local.stop), compile_layers=train.compile,
+                                   checkpointing_share=train.activation_checkpointing_share)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
                                   betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay,

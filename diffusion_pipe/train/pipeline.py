@@ -153,23 +153,53 @@ class StageBoundary(nn.Module):
         return tuple(ensure_grad(x) for x in out) if isinstance(out, tuple) else ensure_grad(out)
 
 
+def recomputed_layers(start: int, stop: int, share: float) -> list[int]:
+    """The layers of [start, stop) that recompute their activations in backward: round(share x their count),
+    spread evenly over the range (so what is kept is spread too)."""
+    count = stop - start
+    chosen = round(share * count)
+    return [start + i for i in range(count) if (i + 1) * chosen // count > i * chosen // count]
+
+
+def recompute_in_backward(layer: nn.Module, compile_forward: bool = False) -> None:
+    """Make `layer` keep none of its activations when gradients are computed: they are recomputed in backward
+    (torch's non-reentrant checkpoint, which takes the tuples layers pass between them). Done by replacing the
+    instance's forward, so the names of its parameters (checkpoints are keyed by them) do not change. With
+    `compile_forward` the layer's own forward is compiled inside the checkpoint, as DeepSpeed's per-layer
+    checkpointing wraps a compiled layer (a checkpoint traced by the compiler failed on the H200)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = torch.compile(layer.forward) if compile_forward else layer.forward
+
+    def recomputed(inputs):
+        return checkpoint(forward, inputs, use_reentrant=False) if torch.is_grad_enabled() else forward(inputs)
+
+    layer.forward = recomputed
+
+
 def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
                           activation_checkpointing: bool, seed: int, local: tuple[int, int],
-                          compile_layers: bool = False) -> nn.Module:
+                          compile_layers: bool = False, checkpointing_share: float = 1.0) -> nn.Module:
     """A PipelineModule over `layers`, split evenly into `num_stages` stages; `local` is this rank's
-    [start, stop) layer range (see `build.stage_bounds`)."""
+    [start, stop) layer range (see `build.stage_bounds`). With `activation_checkpointing`, every layer of the
+    stage recomputes its activations in backward (DeepSpeed's per-layer checkpointing), or only a
+    `checkpointing_share` of them (`recomputed_layers`; inside a compiled layer when `compile_layers`)."""
     from deepspeed.pipe import PipelineModule
 
     layers = list(layers)
     start, stop = local
-    if compile_layers:
-        for i in range(start, stop):
+    partial = activation_checkpointing and checkpointing_share < 1.0
+    recomputed = set(recomputed_layers(start, stop, checkpointing_share)) if partial else set()
+    for i in range(start, stop):
+        if i in recomputed:
+            recompute_in_backward(layers[i], compile_forward=compile_layers)
+        elif compile_layers:
             layers[i].compile()
     if stop < len(layers):
         layers[stop - 1] = StageBoundary(layers[stop - 1])
 
     checkpoint_kwargs = {}
-    if activation_checkpointing:
+    if activation_checkpointing and checkpointing_share >= 1.0:
         from torch.utils.checkpoint import checkpoint
 
         # DeepSpeed's default (reentrant) checkpoint fails on tuple activations between stages.

@@ -44,10 +44,11 @@ class StepLoras:
                  run_dir: Path, identity: dict, run_id: str) -> None:
         formats = formats or ("diffusers",)
         unknown = [f for f in formats if f not in adapter.capabilities.export_formats]
-        if every and unknown:
+        if unknown:  # checked before step 1, whether or not LoRAs are written along the way: export would fail
             raise ConfigError(f"export.formats: {unknown} not written by model family '{adapter.name}' "
-                              f"(supported: {', '.join(adapter.capabilities.export_formats)}); "
-                              "train.save_lora_every_steps writes the LoRA in those formats, so fix the list")
+                              f"(supported: {', '.join(adapter.capabilities.export_formats)}); the export stage "
+                              "(and train.save_lora_every_steps) writes the LoRA in those formats: fix the list "
+                              "before training")
         self.steps = set(step_lora_steps(every, total_steps))
         self.formats, self.adapter, self.denoiser, self.module = formats, adapter, denoiser, module
         self.rank, self.lora_rank, self.lora_alpha = rank, lora_rank, lora_alpha

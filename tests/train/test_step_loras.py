@@ -106,3 +106,17 @@ def test_two_pipeline_stages_write_the_whole_lora(trained, tmp_path):
     assert {k.split(".")[1] for k in two} == {"transformer_blocks", "single_transformer_blocks"}
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # scans and encodes the bundled example, then one train start: about 30 s on 2 shared cores
+def test_a_format_the_family_cannot_write_stops_train_before_step_1(tmp_path):
+    """The export stage would fail after the whole run: train refuses it first, naming the param."""
+    from tests.train.test_options import _encoded_repo, _train
+
+    repo, store = _encoded_repo(tmp_path)
+    failed = _train(repo, store, "kohya", {"formats: [diffusers, comfyui]": "formats: [diffusers, kohya]"},
+                    check=False)
+    assert failed.returncode != 0 and "Traceback" not in failed.stderr
+    assert "export.formats: ['kohya'] not written by model family 'flux' (supported: diffusers, comfyui)" in \
+        failed.stderr
+    assert "fix the list before training" in failed.stderr and "train: checkpoint" not in failed.stderr
