@@ -203,6 +203,14 @@ MUTATIONS: list[Mutation] = [
     Mutation("loss-weight-not-read", "diffusion_pipe/train/data.py", 'r.get("loss_weight", 1.0))', "1.0)",
              ("tests/train/test_options.py::test_a_datasets_loss_weight_scales_its_samples_loss",),
              "train reads no loss weight from the encoded table"),
+    # activation checkpointing of a share of the layers; formats checked before training
+    Mutation("checkpoint-share-ignored", "diffusion_pipe/train/pipeline.py",
+             "recompute_in_backward(layers[i], compile_forward=compile_layers)", "pass",
+             ("tests/train/test_checkpointing.py",), "a share below 1 recomputes nothing"),
+    Mutation("formats-checked-only-with-step-loras", "diffusion_pipe/train/step_loras.py", "        if unknown:",
+             "        if every and unknown:",
+             ("tests/train/test_step_loras.py::test_a_format_the_family_cannot_write_stops_train_before_step_1",),
+             "a format the family cannot write fails in export, after training"),
 ]
 
 
