@@ -203,6 +203,11 @@ MUTATIONS: list[Mutation] = [
     Mutation("loss-weight-not-read", "diffusion_pipe/train/data.py", 'r.get("loss_weight", 1.0))', "1.0)",
              ("tests/train/test_options.py::test_a_datasets_loss_weight_scales_its_samples_loss",),
              "train reads no loss weight from the encoded table"),
+    Mutation("attention-always-masked", "diffusion_pipe/models/common.py",
+             "return None if mask.shape[1] == 1 else mask.bool()", "return mask.bool()",
+             ("tests/models/test_lumina2.py::TestLumina2Contract::test_attention_is_unmasked_unless_an_item_is_padded",
+              "tests/models/test_zimage.py::TestZImageContract::test_attention_is_unmasked_unless_an_item_is_padded"),
+             "Z-Image and Lumina 2 attend through an all-ones mask (off the flash kernel)"),
     # activation checkpointing of a share of the layers; formats checked before training
     Mutation("checkpoint-share-ignored", "diffusion_pipe/train/pipeline.py",
              "recompute_in_backward(layers[i], compile_forward=compile_layers)", "pass",
