@@ -17,8 +17,15 @@ The LoRA dataset (examples/concept-tiny/data) shows a colour the base never saw,
 image per base caption as prior preservation (regularisation images).
 tests/test_concept_proof.py trains a LoRA on it through the pipeline and measures that colour in the samples.
 
+Other families (`--family sdxl`): the family's own tiny random-init model (`build_tiny`, tokenizers trained on a
+corpus that holds every caption word), its VAE replaced by the same kind of trained 2x AutoencoderKL, and its
+denoiser pretrained by full fine-tuning through the adapter contract: the train stage's objective
+(`noise_latents`), inputs (`conditioned_inputs`), layers (`pipeline_layers`) and loss. Their examples share
+examples/concept-tiny/{data,pretrain}; only the model is theirs.
+
     python scripts/make_concept_base.py            # rewrites examples/concept-tiny/{model,data,pretrain}
     python scripts/make_concept_base.py --data-only   # the datasets only (the same bytes a full run writes)
+    python scripts/make_concept_base.py --family sdxl --out examples/concept-sdxl-tiny   # model only
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from diffusion_pipe.concept_proof import (  # noqa: E402
     BACKGROUNDS, BASE_COLOURS, CONCEPT_WORD, SHAPES, autoencoder_images, base_items, caption, colour_fraction, lora_items,
     write_dataset,
 )
+from diffusion_pipe.models import adapter_class  # noqa: E402
+from diffusion_pipe.models.base import Adapter  # noqa: E402
 from diffusion_pipe.models.common import save_tiny_tokenizers  # noqa: E402
 from diffusion_pipe.models.flux import MODEL_INDEX, FluxAdapter, image_ids, pack_latents  # noqa: E402
 
@@ -70,19 +79,47 @@ def build_text_encoders(out: Path, seed: int) -> None:
     )).save_pretrained(out / "text_encoder_2")
 
 
-def train_vae(out: Path, pretrain_pixels: torch.Tensor, seed: int, steps: int) -> None:
-    """An AutoencoderKL trained to reconstruct random-colour shapes (MSE + a small KL term that keeps latents
-    near unit scale), then its shift/scaling factors set from the pretraining set's latents."""
-    from diffusers import AutoencoderKL
+def small_vae(like: dict | None) -> torch.nn.Module:
+    """A VAE of the class of `like` (a tiny model's VAE config; None: Flux's AutoencoderKL with a shift factor)
+    that downsamples 2x, keeping its latent channels: 32-pixel shapes become 16x16 latents."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+    like = like or {"_class_name": "AutoencoderKL", "latent_channels": 4, "shift_factor": 0.0}
+    if like["_class_name"] == "AutoencoderKLWan":  # one frame per image: no temporal downsampling
+        return AutoencoderKLWan(base_dim=8, z_dim=like["z_dim"], dim_mult=[1, 2], num_res_blocks=1,
+                                temperal_downsample=[False], scale_factor_spatial=2, scale_factor_temporal=1)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=like["latent_channels"], block_out_channels=(8, 16),
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1, norm_num_groups=4, sample_size=32, scaling_factor=1.0, shift_factor=0.0,
+        layers_per_block=1, norm_num_groups=4, sample_size=32, scaling_factor=1.0,
+        shift_factor=0.0 if like.get("shift_factor") is not None else None,  # Flux's pipelines subtract one
         use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False,
     )
-    pixels = torch.cat([to_tensor(autoencoder_images(2048, seed)), pretrain_pixels])
+
+
+def set_latent_normalisation(vae: torch.nn.Module, latents: torch.Tensor) -> None:
+    """What the family's pipeline undoes before decoding, measured on the pretraining set's latents: per-channel
+    mean and std (Wan), or one scaling factor and, where the config has one, a shift factor (Flux)."""
+    if vae.config.get("latents_mean") is not None:  # AutoencoderKL has the key too, set to None
+        dims = [d for d in range(latents.dim()) if d != 1]
+        vae.register_to_config(latents_mean=[round(x, 4) for x in latents.mean(dims).tolist()],
+                               latents_std=[round(x, 4) for x in latents.std(dims).tolist()])
+        return
+    if vae.config.get("shift_factor") is not None:
+        vae.register_to_config(shift_factor=round(latents.mean().item(), 4))
+    vae.register_to_config(scaling_factor=round(1 / latents.std().item(), 4))
+
+
+def train_vae(out: Path, pretrain_pixels: torch.Tensor, seed: int, steps: int, like: dict | None = None) -> None:
+    """A small VAE (`small_vae`) trained to reconstruct random-colour shapes (MSE + a small KL term that keeps
+    latents near unit scale), then its latent normalisation set from the pretraining set's latents."""
+    torch.manual_seed(seed)
+    vae = small_vae(like)
+    video = type(vae).__name__ == "AutoencoderKLWan"  # it takes (B, C, F, H, W)
+    if video:
+        pretrain_pixels = pretrain_pixels[:, :, None]
+    shapes = to_tensor(autoencoder_images(2048, seed))
+    pixels = torch.cat([shapes[:, :, None] if video else shapes, pretrain_pixels])
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(seed)
@@ -107,11 +144,12 @@ def train_vae(out: Path, pretrain_pixels: torch.Tensor, seed: int, steps: int) -
         recon = vae.decode(latents).sample.clamp(-1, 1)
     error = ((recon - pretrain_pixels).abs().mean() * 127.5).item()
     print(f"vae: pretraining set reconstructed to {error:.2f}/255 mean absolute error")
-    vae.register_to_config(shift_factor=round(latents.mean().item(), 4), scaling_factor=round(1 / latents.std().item(), 4))
+    set_latent_normalisation(vae, latents)
+    shutil.rmtree(out / "vae", ignore_errors=True)
     vae.save_pretrained(out / "vae")
 
 
-def encode_texts(adapter: FluxAdapter, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def encode_texts(adapter: Adapter, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     encoders = adapter.load_text_encoders(torch.device("cpu"))
     entries = adapter.encode_text(encoders, captions, TEXT_MAX_LENGTH)
     return dict(zip(captions, entries))
@@ -154,32 +192,76 @@ def pretrain_transformer(out: Path, adapter: FluxAdapter, images: list, captions
         pred = model(hidden_states=pack_latents(noisy), timestep=t, encoder_hidden_states=t5[idx],
                      pooled_projections=pooled[idx], img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred, pack_latents(noise - x0))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
-        if step % 250 == 0 or step == steps - 1:
-            print(f"transformer step {step}: loss {smoothed:.4f} ({time.time() - start:.0f} s)")
+        smoothed = optimise(loss, opt, sched, model, smoothed, f"transformer step {step}", step, steps, start)
     model.save_pretrained(out / "transformer")
 
 
-def check_samples(out: Path, adapter: FluxAdapter, seed: int) -> dict[str, float]:
-    """Render one prompt per (colour, shape, background) with FluxPipeline and measure the named colour: the
-    fraction of pixels near it, per colour (mean over prompts), and the same for the other base colours."""
-    from diffusers import FluxPipeline
+def optimise(loss: torch.Tensor, opt, sched, model: torch.nn.Module, smoothed: float | None, what: str, step: int,
+             steps: int, start: float) -> float:
+    """One optimizer step on `loss` (gradients clipped to norm 1), and the smoothed loss, printed every 250 steps
+    and at the last; returns it."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+    if step % 250 == 0 or step == steps - 1:
+        print(f"{what}: loss {smoothed:.4f} ({time.time() - start:.0f} s)")
+    return smoothed
 
-    pipe = FluxPipeline.from_pretrained(out)
-    pipe.set_progress_bar_config(disable=True)
+
+def pretrain_denoiser(adapter: Adapter, images: list, captions: list[str], seed: int, steps: int,
+                      device: torch.device, sampling: str) -> None:
+    """Full fine-tuning of the family's random-init denoiser as the train stage computes a step (objective,
+    inputs, pipeline layers, loss; LoRA aside), on precomputed latents and text embeddings; saved in place."""
+    from diffusion_pipe.train.data import noise_latents
+    from diffusion_pipe.train.objectives import mse_loss
+
+    vae = adapter.load_vae(torch.device("cpu"))
+    with torch.no_grad():
+        latents = adapter.normalise_latents(torch.stack(
+            [e["latents"] for e in adapter.encode_media(vae, to_tensor(images)[:, :, None])]))
+    texts = encode_texts(adapter, sorted(set(captions)))
+    text = {name: torch.stack([texts[c][name] for c in captions]) for name in texts[captions[0]]}
+
+    torch.manual_seed(seed)
+    denoiser = adapter.load_denoiser(device).train().requires_grad_(True)
+    layers = adapter.pipeline_layers(denoiser)
+    batch = 16
+    opt = torch.optim.AdamW(denoiser.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    start, smoothed = time.time(), None
+    for step in range(steps):
+        idx = torch.randint(len(latents), (batch,), generator=gen)
+        x0 = latents[idx]
+        noised = noise_latents(adapter, x0, torch.randn(x0.shape, generator=gen), None, sampling, 1.0, gen)
+        x = tuple(t.to(device) for t in adapter.conditioned_inputs(
+            noised.noisy, noised.timesteps, {k: v[idx] for k, v in text.items()}, 1.0, ()))
+        for layer in layers:
+            x = layer(x)
+        target = noised.target.to(device)
+        loss = mse_loss(adapter.prediction_to_latents(x, target), target)
+        smoothed = optimise(loss, opt, sched, denoiser, smoothed, f"denoiser step {step}", step, steps, start)
+    denoiser.cpu().save_pretrained(adapter.denoiser_dir())
+
+
+def check_samples(out: Path, adapter: Adapter, seed: int) -> dict[str, float]:
+    """Render one prompt per (colour, shape, background) with the family's pipeline as the sample stage does
+    (no classifier-free guidance: the base never trained on empty captions) and measure the named colour: the
+    fraction of pixels near it, per colour (mean over prompts), and the same for the other base colours."""
+    from diffusion_pipe.params import SamplePrompt
+    from diffusion_pipe.sample.render import prompt_texts, render_prompts
+
     prompts = [(c, s, b) for c in BASE_COLOURS for s in SHAPES for b in BACKGROUNDS]
-    texts = encode_texts(adapter, [caption(*p) for p in prompts])
-    t5 = torch.stack([texts[caption(*p)]["t5"] for p in prompts])
-    pooled = torch.stack([texts[caption(*p)]["clip_pooled"] for p in prompts])
-    images = pipe(prompt_embeds=t5, pooled_prompt_embeds=pooled, height=32, width=32, num_inference_steps=8,
-                  generator=[torch.Generator().manual_seed(seed + i) for i in range(len(prompts))],
-                  output_type="np").images
-    pixels = (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
+    resolved = tuple(SamplePrompt(prompt=caption(*p), seed=seed + i, width=32, height=32, frames=1, steps=8,
+                                  guidance=1.0) for i, p in enumerate(prompts))
+    device = torch.device("cpu")
+    pipe = adapter.sample_pipeline(adapter.load_denoiser(device), adapter.load_vae(device))
+    pipe.set_progress_bar_config(disable=True)
+    texts = encode_texts(adapter, list(prompt_texts(adapter, resolved)))
+    pixels = np.stack([frames[0] for frames in render_prompts(pipe, adapter, resolved, texts, device)])
     named = {c: [] for c in BASE_COLOURS}
     others = {c: [] for c in BASE_COLOURS}
     for (colour, _, _), px in zip(prompts, pixels):
@@ -199,9 +281,16 @@ def main() -> None:
     parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--steps", type=int, default=2500, help="transformer pretraining steps")
     parser.add_argument("--data-only", action="store_true", help="rewrite the datasets only, not the model")
+    parser.add_argument("--family", default="flux", help="the base model's family (flux: the original build)")
+    parser.add_argument("--device", default="cpu", help="where the denoiser pretrains (other families)")
+    parser.add_argument("--denoiser-config", type=json.loads, default={},
+                        help="JSON overrides of the tiny denoiser's config (other families), e.g. a wider model")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core: the machines this runs on are shared
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=args.device != "cpu")  # CUDA lacks some deterministic kernels
+    if args.family != "flux":
+        build_family_base(args)
+        return
 
     model_dir = args.out / "model"
     shutil.rmtree(args.out / "pretrain", ignore_errors=True)
@@ -223,11 +312,37 @@ def main() -> None:
     train_vae(model_dir, to_tensor(images), args.seed, args.vae_steps)
     adapter = FluxAdapter(model_dir, torch.float32)
     pretrain_transformer(model_dir, adapter, images, captions, args.seed, args.steps)
-    measured = check_samples(model_dir, adapter, args.seed)
+    report_base(args.out, check_samples(model_dir, adapter, args.seed))
+
+
+def build_family_base(args: argparse.Namespace) -> None:
+    """The base of `args.family` in `args.out/model`, pretrained on examples/concept-tiny/pretrain's images (the
+    same bytes `base_items` draws)."""
+    model_dir = args.out / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    cls = adapter_class(args.family)
+    cls.build_tiny(model_dir, seed=args.seed)
+    if args.denoiser_config:
+        denoiser_cls, denoiser_dir = (lambda a: (a.denoiser_class(), a.denoiser_dir()))(cls(model_dir, torch.float32))
+        config = {**denoiser_cls.load_config(denoiser_dir), **args.denoiser_config}
+        torch.manual_seed(args.seed)
+        shutil.rmtree(denoiser_dir)
+        denoiser_cls.from_config(config).save_pretrained(denoiser_dir)
+    base = base_items(variants=4, seed=args.seed)
+    images, captions = [i for i, _ in base], [c for _, c in base]
+    train_vae(model_dir, to_tensor(images), args.seed, args.vae_steps,
+              like=cls(model_dir, torch.float32).component_config("vae"))
+    adapter = cls(model_dir, torch.float32)
+    pretrain_denoiser(adapter, images, captions, args.seed, args.steps, torch.device(args.device), "uniform")
+    report_base(args.out, check_samples(model_dir, adapter, args.seed))
+
+
+def report_base(out: Path, measured: dict[str, tuple[float, float]]) -> None:
+    """Print and write (base-samples.json) how well the base paints each named colour; fail when it does not."""
     for colour, (named, other) in measured.items():
         print(f"samples of '{colour}' prompts: {named:.1%} of pixels near {colour}, at most {other:.1%} near "
               "another base colour")
-    (args.out / "base-samples.json").write_text(json.dumps(
+    (out / "base-samples.json").write_text(json.dumps(
         {c: {"named": round(n, 4), "other": round(o, 4)} for c, (n, o) in measured.items()}, indent=2) + "\n")
     weak = [c for c, (named, other) in measured.items() if named < 0.1 or named < 2 * other]
     if weak:
