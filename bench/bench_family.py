@@ -4,6 +4,7 @@ real (published) shape or its tiny test shape, in the same run; one markdown row
     python bench/bench_family.py --family qwenimage --shape real --steps 8           # H200
     python bench/bench_family.py --families qwenimage,flux2_klein,ltx --shape real --steps 8 --deadline-s 480
     python bench/bench_family.py --families all --shape tiny --steps 3 --device cpu  # smoke test anywhere
+    python bench/bench_family.py --family wan --no-plain --runs uncapped,cap24,cap24-noswap:float8  # memory savers
 
 Model: the family's tiny model directory with the denoiser replaced by a random-init bf16 one of the published
 `transformer/config.json` (family_shapes.REAL, which names the hub repo of each), built on the device and
@@ -19,6 +20,11 @@ checkpointing, no memory cap.
   on one fixed micro-batch: the adapter's `model_inputs` (at t = 0.5) fed to the denoiser's own unsplit forward
   as the family's contract test calls it (`unsplit_forward` of tests/models/test_<family>.py, the forward the
   composed pipeline layers are tested equal to). Its input preparation is done once, outside the timed steps.
+
+`--runs` runs ours once per entry, `NAME[:BASE_DTYPE]`: NAME is `uncapped` (the default: no cap, no memory saver)
+or a variant of bench/bench_train.py (its train params: `cap24` is activation checkpointing, 20 swapped blocks
+and a 24 GB cap), BASE_DTYPE a `model.base_dtype` (`float8`). Every run has the same seed, data and steps, so
+their losses show what fp8 base weights change.
 
 Each family's model directory and store are deleted after its row (a 20B model takes 41 GB of disk). A family
 that fails (out of memory, say) gets a row saying why, and the loop goes on; with --deadline-s, families not
@@ -140,9 +146,11 @@ def _reason(error: BaseException | str) -> str:
     return (lines[-1] if lines else text)[:160]
 
 
-def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log, plain: bool = True) -> dict:
-    """One family's row: model and data, the plain loop, then ours; failures are caught and named."""
-    from bench_train import run_ours, write_params
+def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log, plain: bool = True,
+              runs: tuple[str, ...] = ("uncapped",)) -> dict:
+    """One family's row: model and data, the plain loop, then ours once per entry of `runs` (see the module
+    docstring); failures are caught and named."""
+    from bench_train import VARIANTS, run_ours, write_params
     from family_shapes import fill_store, media_shape, write_model_dir
 
     from diffusion_pipe.models import adapter_class
@@ -177,16 +185,22 @@ def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log,
         if device == "cuda":
             torch.cuda.empty_cache()
         log(f"{family}: plain done: {row['plain']}")
-    params = root / "params.yaml"
-    write_params(params, model_dir, {"text_len": text_len}, steps, device, {}, family=family, guidance=None)
-    try:
-        report = run_ours(root, params, encoded, store, "ours", None)
-        row["ours"] = {k: report.get(k) for k in ("step_seconds", "max_memory_gb", "process_seconds",
-                                                  "train_loss_first", "lora_modules")}
-    except SystemExit as error:  # run_ours exits with the stage's stderr
-        print(str(error)[-3000:], flush=True)
-        row["ours"] = {"error": _reason(str(error))}
-    log(f"{family}: ours done: {row['ours']}")
+    for i, spec in enumerate(runs):
+        name, _, base_dtype = spec.partition(":")
+        variant = {} if name == "uncapped" else VARIANTS[name]
+        params = root / f"params-{i}.yaml"
+        write_params(params, model_dir, {"text_len": text_len}, steps, device, variant, base_dtype=base_dtype,
+                     family=family, guidance=None)
+        try:
+            report = run_ours(root, params, encoded, store, f"ours-{i}", None)
+            result = {k: report.get(k) for k in ("step_seconds", "max_memory_gb", "process_seconds",
+                                                 "train_loss_first", "train_loss_last10", "lora_modules")}
+        except SystemExit as error:  # run_ours exits with the stage's stderr
+            print(str(error)[-3000:], flush=True)
+            result = {"error": _reason(str(error))}
+        log(f"{family}: ours {spec} done: {result}")
+        row.setdefault("ours", result)  # the first run is the row's; every run is in "runs"
+        row.setdefault("runs", {})[spec] = result
     shutil.rmtree(root, ignore_errors=True)
     return row
 
@@ -223,6 +237,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here (after every family)")
     parser.add_argument("--no-plain", action="store_true", help="run ours only")
+    parser.add_argument("--runs", default="uncapped",
+                        help="comma list of runs of ours, NAME[:BASE_DTYPE] (module docstring); the first is the row's")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="start no family after this many seconds of the run (0: no limit)")
     args = parser.parse_args()
@@ -230,6 +246,13 @@ def main() -> None:
 
     families = [args.family] if args.family else (list(PRIORITY) if args.families == "all"
                                                   else args.families.split(","))
+    from bench_train import VARIANTS
+
+    runs = tuple(args.runs.split(","))
+    bad = [r for r in runs if r.partition(":")[0] not in {"uncapped", *VARIANTS}
+           or r.partition(":")[2] not in ("", "float8", "float8_matmul")]
+    if bad:
+        parser.error(f"--runs: {bad} not NAME[:BASE_DTYPE] with NAME uncapped or one of {sorted(VARIANTS)}")
     unknown = [f for f in families if f not in REGISTRY]
     if unknown:
         parser.error(f"unknown families {unknown}; registered: {', '.join(sorted(REGISTRY))}")
@@ -250,7 +273,8 @@ def main() -> None:
             row = {"family": family, "shape": "-", "error": f"not started: past --deadline-s {args.deadline_s:.0f}"}
         else:
             log(f"{family}: start")
-            row = bench_one(family, args.shape, args.steps, args.device, work, log, plain=not args.no_plain)
+            row = bench_one(family, args.shape, args.steps, args.device, work, log, plain=not args.no_plain,
+                            runs=runs)
             row["seconds"] = round(log.elapsed(), 1)
         results["rows"].append(row)
         print(HEADER + "\n" + markdown_row(row), flush=True)
@@ -260,6 +284,14 @@ def main() -> None:
           f"total {log.elapsed():.0f} s\n{HEADER}")
     for row in results["rows"]:
         print(markdown_row(row))
+    if len(runs) > 1:
+        print("\n| family | run | s/step | peak GB | loss first | loss last 10 | note |\n|---|---|---|---|---|---|---|")
+        for row in results["rows"]:
+            for spec, r in row.get("runs", {}).items():
+                cells = [f"{r[k]:{f}}" if isinstance(r.get(k), float) else "-"
+                         for k, f in (("step_seconds", ".3f"), ("train_loss_first", ".6f"), ("train_loss_last10", ".6f"))]
+                print(f"| {row['family']} | {spec} | {cells[0]} | {_gb(r.get('max_memory_gb'))} | {cells[1]} | "
+                      f"{cells[2]} | {r.get('error', '')} |")
 
 
 if __name__ == "__main__":

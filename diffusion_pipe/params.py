@@ -318,6 +318,9 @@ class TrainParams:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1.0e-8
     max_grad_norm: float = 1.0
+    # what trains: "lora" (adapters on lora_targets) or "full" (every weight of the denoiser; the export is then a
+    # diffusers component directory, artifacts/<export.name>.full/, and the lora_* params are not used)
+    adapter: Literal["lora", "full"] = "lora"
     lora_rank: int = 16
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -365,6 +368,10 @@ class TrainParams:
             raise ValueError("epochs, noise_offset and min_snr_gamma must be >= 0")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.adapter == "full" and (self.blocks_to_swap or self.save_lora_every_steps):
+            raise ValueError(f"adapter is 'full', which trains every weight; blocks_to_swap (which keeps frozen "
+                             f"weights in CPU memory) and save_lora_every_steps (LoRA files) need adapter: lora; "
+                             f"set them to 0 (they are {self.blocks_to_swap} and {self.save_lora_every_steps})")
         if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")
@@ -396,6 +403,18 @@ class Params:
     encode: EncodeParams = field(default_factory=EncodeParams)
     train: TrainParams = field(default_factory=TrainParams)
     export: ExportParams = field(default_factory=ExportParams)
+
+    def __post_init__(self) -> None:
+        if self.train.adapter == "full":  # what a full fine-tune cannot do, across sections
+            if self.model.base_dtype:
+                raise ConfigError(f"model.base_dtype: '{self.model.base_dtype}' stores frozen weights in fp8, and "
+                                  "train.adapter: full freezes none; leave base_dtype empty, or train a LoRA")
+            if self.export.merged or set(self.export.formats) - {"diffusers"}:
+                raise ConfigError(f"export: with train.adapter: full the export is the whole denoiser as a diffusers "
+                                  f"component directory (artifacts/{self.export.name}.full/); the LoRA formats "
+                                  f"{sorted(set(self.export.formats) - {'diffusers'})} and merged "
+                                  f"({self.export.merged}) do not apply: set export.formats: [diffusers] and "
+                                  "export.merged: false")
 
 
 _SECTIONS: dict[str, type] = {

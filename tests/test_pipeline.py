@@ -163,6 +163,26 @@ def test_two_pipeline_stages_match_one(pipeline, tmp_path):
         assert abs(np.asarray(Image.open(a), dtype=int) - np.asarray(Image.open(b), dtype=int)).max() <= 1
 
 
+def test_a_full_fine_tune_over_two_stages_matches_one(pipeline, tmp_path):
+    """train.adapter: full over 2 stages: the same losses as 1 stage, and rank 0 gathers every stage's weights
+    into one file equal to the 1-stage run's."""
+    from safetensors.torch import load_file
+
+    repo, store, _ = pipeline
+    weights = []
+    for stages in (1, 2):
+        name = layout_params(repo, f"full{stages}.yaml", stages, 3, adapter="full")
+        text = (repo / name).read_text()
+        (repo / name).write_text(text.replace("formats: [diffusers, comfyui]", "formats: [diffusers]"))
+        losses = train_losses(repo, store, name, stages, tmp_path / f"full{stages}")
+        weights.append((losses, load_file(tmp_path / f"full{stages}/lora.safetensors")))
+    (one, a), (two, b) = weights
+    assert one == pytest.approx(two, abs=1e-5)
+    assert set(a) == set(b) and not any(".lora_" in k for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+
+
 SIGNAL_STEPS = 40  # the signal comes at the first checkpoint (step 2): the run must still be going then
 
 

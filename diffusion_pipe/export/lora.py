@@ -33,15 +33,27 @@ def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[s
 def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, encoded: Path, train_report: Path,
                 out_dir: Path) -> list[Path]:
     """Write `out_dir/<name>.<format>.safetensors` for every format asked for, `out_dir/<name>.merged/` when
-    `export.merged`, and `out_dir/<name>.lineage.json` (the record plus every written file's hash)."""
-    from diffusion_pipe.export.merge import write_merged
+    `export.merged`, and `out_dir/<name>.lineage.json` (the record plus every written file's hash). A full
+    fine-tune (train.adapter: full) is written as `out_dir/<name>.full/<denoiser component>/` instead."""
+    from diffusion_pipe.export.merge import write_full, write_merged
 
     adapter = load_adapter(params.model)
     lora, meta = read_trained_lora(lora_path)
-    rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
+    kind = meta.get("diffusion_pipe.adapter", "lora")
+    if kind != params.train.adapter:
+        raise ValueError(f"{lora_path} holds a {kind} training, and params.yaml says train.adapter: "
+                         f"{params.train.adapter}; run the train stage again (dvc repro train)")
     report = json.loads(train_report.read_text()) if train_report.is_file() else None
     trained = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
     lineage = export_lineage(params, repo, lora_path, manifest, encoded, report, trained)
+    if kind == "full":  # the whole denoiser: a diffusers component directory, loaded with from_pretrained
+        path = write_full(adapter, lora, out_dir / f"{params.export.name}.full", lineage)
+        listed = json.loads((path / "lineage.json").read_text())["files"] | {"lineage.json": hash_file(path / "lineage.json")}
+        write_json_atomic(out_dir / f"{params.export.name}.lineage.json",
+                          {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}})
+        print(f"export: wrote {path}", file=sys.stderr)
+        return [path]
+    rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
     folded = fold_scale(lora, rank, alpha)
     written, files = [], {}
     for fmt in params.export.formats:

@@ -1,4 +1,5 @@
-"""Merged export: the base denoiser with the LoRA folded into its weights, as a diffusers component directory."""
+"""Denoiser exports as diffusers component directories: merged (the base denoiser with the LoRA folded into its
+weights, export.merged) and full (a full fine-tune's trained weights, train.adapter: full)."""
 
 from __future__ import annotations
 
@@ -34,16 +35,40 @@ def merge_lora_into(model: nn.Module, lora: TensorDict) -> None:
 
 
 def write_merged(adapter: Adapter, lora: TensorDict, out_dir: Path, lineage: dict) -> Path:
+    """Write the base denoiser with `lora` folded in to `out_dir` (`write_denoiser_dir`)."""
+    denoiser = adapter.load_denoiser(torch.device("cpu"))
+    merge_lora_into(denoiser, lora)
+    return write_denoiser_dir(adapter, denoiser, out_dir, {**lineage, "kind": "merged"})
+
+
+@torch.no_grad()
+def write_full(adapter: Adapter, trained: TensorDict, out_dir: Path, lineage: dict) -> Path:
+    """Write a full fine-tune's denoiser to `out_dir` (`write_denoiser_dir`): the base model's class and config
+    with the trained weights, every one of its parameters among them."""
+    denoiser = adapter.load_denoiser(torch.device("cpu"))
+    params = dict(denoiser.named_parameters())
+    if unknown := sorted(set(trained) - set(params)):
+        raise ValueError(f"the trained weights hold {len(unknown)} tensors the base {type(denoiser).__name__} does "
+                         f"not have (e.g. {unknown[0]}): they were trained on another model than model.path")
+    if untrained := sorted(set(params) - set(trained)):
+        raise ValueError(f"the trained weights lack {len(untrained)} parameters of {type(denoiser).__name__} (e.g. "
+                         f"{untrained[0]}): not a full fine-tune of this model; re-run the train stage")
+    for name, tensor in trained.items():
+        if tensor.shape != params[name].shape:
+            raise ValueError(f"trained weight {name} is {tuple(tensor.shape)}, the base's is "
+                             f"{tuple(params[name].shape)}: trained on another model than model.path")
+        params[name].copy_(tensor)
+    return write_denoiser_dir(adapter, denoiser, out_dir, {**lineage, "kind": "full"})
+
+
+def write_denoiser_dir(adapter: Adapter, denoiser: nn.Module, out_dir: Path, lineage: dict) -> Path:
     """Write `out_dir/<denoiser component>/` (diffusers `save_pretrained`, every safetensors file stamped with
     the lineage) and `out_dir/lineage.json` listing the files' hashes.
 
     Built in a temp directory beside `out_dir` and renamed into place, so a reader sees the whole directory or
     none; a previous `out_dir` is replaced.
     """
-    lineage = {**lineage, "kind": "merged"}
     component = adapter.denoiser_dir().name
-    denoiser = adapter.load_denoiser(torch.device("cpu"))
-    merge_lora_into(denoiser, lora)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ from diffusion_pipe.sample.render import (check_prompt, control_image, grid, png
 def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Path, video_dir: Path,
                 device_name: str = "auto") -> dict:
     """Render `train.samples.prompts` with the base model, then with the diffusers-format LoRA at `lora_path`
-    loaded by `load_lora_weights`; write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per
+    loaded by `load_lora_weights` (a full fine-tune: the denoiser directory at `lora_path`, `load_trained`); write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per
     prompt: without | with) to `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel
     difference to `report_path`. Returns the report. With no prompts, or no diffusers-format export, there is
     nothing to render: the outputs are written empty and the reason printed, so `dvc repro` goes on."""
@@ -34,9 +34,11 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
         print(f"sample: nothing rendered: {skip} (list prompts under train.samples and export the 'diffusers' "
               "format to compare samples without and with the LoRA)", file=sys.stderr)
         return {"lora": None, "prompts": [], "skipped": skip}
-    if not lora_path.is_file():
-        raise FileNotFoundError(f"{lora_path}: no exported LoRA there; run the export stage with 'diffusers' in "
-                                "export.formats (dvc repro export)")
+    full = params.train.adapter == "full"
+    if not (lora_path.is_dir() if full else lora_path.is_file()):
+        raise FileNotFoundError(f"{lora_path}: no exported {'fine-tuned denoiser' if full else 'LoRA'} there; run "
+                                "the export stage" + ("" if full else " with 'diffusers' in export.formats")
+                                + " (dvc repro export)")
     adapter = load_adapter(params.model)
     if adapter.expert:
         raise ConfigError(f"model.expert: the sample stage renders with the whole model; '{adapter.expert}' is "
@@ -56,7 +58,7 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     pipe.set_progress_bar_config(desc="sample", unit="step", leave=False, file=sys.stderr)
     pipe.to(device)
     without = render_prompts(pipe, adapter, prompts, texts, device)
-    pipe.load_lora_weights(str(lora_path))
+    load_trained(pipe, adapter, lora_path, full)
     with_lora = render_prompts(pipe, adapter, prompts, texts, device)
 
     report = {"lora": str(lora_path), "prompts": []}
@@ -76,3 +78,15 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     print(f"sample: {len(prompts)} prompts without and with {lora_path} -> {out_dir}/comparison.png; mean pixel "
           f"difference {np.mean([p['mean_abs_difference'] for p in report['prompts']]):.2f}/255", file=sys.stderr)
     return report
+
+
+def load_trained(pipe, adapter, path: Path, full: bool) -> None:
+    """What was trained, into `pipe` as its users load it: a LoRA file with `load_lora_weights`; a full fine-tune
+    (train.adapter: full) as the pipeline's denoiser component, `from_pretrained` of its exported directory."""
+    if not full:
+        pipe.load_lora_weights(str(path))
+        return
+    component = adapter.denoiser_dir().name
+    base = getattr(pipe, component)
+    trained = type(base).from_pretrained(path / component, torch_dtype=adapter.dtype).to(base.device)
+    setattr(pipe, component, trained)

@@ -100,8 +100,9 @@ def init_lora_deterministic(model: nn.Module, seed: int) -> None:
 
 
 def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
-                      alpha: float, dropout: float, seed: int, base_dtype: str = "") -> LocalModel:
-    """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype).
+                      alpha: float, dropout: float, seed: int, base_dtype: str = "", full: bool = False) -> LocalModel:
+    """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype); with
+    `full` (train.adapter: full), the denoiser itself with every weight trainable and no LoRA.
     `base_dtype` "float8" / "float8_matmul" (model.base_dtype) stores the frozen Linear weights of the
     stage's blocks in fp8 (train/fp8.py); the first and last pipeline layers, under 1% of the weights and
     the model's input and output projections, keep the adapter's dtype."""
@@ -117,9 +118,13 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
     local = {names[id(t)] for layer in layers[start:stop]
              for t in [*layer.parameters(), *layer.buffers()] if t.device.type == "meta"}
     load_weights(denoiser, local, directory, adapter.dtype)
-    lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
-    add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
-    init_lora_deterministic(denoiser, seed)
+    if full:
+        denoiser.requires_grad_(True)
+        lora_targets: list[str] = []
+    else:
+        lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
+        add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
+        init_lora_deterministic(denoiser, seed)
     # Loading replaced parameter objects and peft replaced target modules: layers built before would hold
     # stale references, so the layers are built again from the final model.
     layers = adapter.pipeline_layers(denoiser)

@@ -150,7 +150,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     local = build_local_model(adapter, train.pipeline_stages, stage,
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
-                              base_dtype=model.base_dtype)
+                              base_dtype=model.base_dtype, full=train.adapter == "full")
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
@@ -245,7 +245,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
         writer = SummaryWriter(str(runs_root / "tensorboard" / run_id))
         print(f"train: run {run_id}, {len(train_rows)} train / {len(eval_rows)} eval samples, "
-              f"{len(targets)} LoRA modules, {sum(p.numel() for p in trainable)} trainable parameters on "
+              + (f"{len(targets)} LoRA modules, " if train.adapter == "lora" else "full fine-tune, ")
+              + f"{sum(p.numel() for p in trainable)} trainable parameters on "
               f"stage 0, {train.pipeline_stages} stage(s) x {dp_world} data-parallel on {dist.device}"
               + (f"; resuming at step {resumed_from}" if resumed_from is not None else ""), file=sys.stderr)
 
@@ -318,14 +319,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if checkpoints.last_step != state["step"]:
         save_checkpoint()
 
-    lora = gather_lora(denoiser, module)
+    lora = gather_lora(denoiser, module, full=train.adapter == "full")
     report = {
         "run_id": run_id, "steps": state["step"], "resumed_from": resumed_from,
         "train_loss_first": state["losses"][0], "train_loss_last": state["losses"][-1],
         "train_loss_last10": sum(state["losses"][-10:]) / len(state["losses"][-10:]),
         "eval": state["evals"], "eval_loss_start": state["evals"][0]["loss"] if state["evals"] else None,
         "eval_loss_end": state["evals"][-1]["loss"] if state["evals"] else None,
-        "samples": len(train_rows), "lora_modules": len(targets), "lora_rank": train.lora_rank,
+        "samples": len(train_rows), "adapter": train.adapter, "lora_modules": len(targets),
+        "lora_rank": train.lora_rank,
         # median of this process's steps after the first two (warm-up, compilation)
         "step_seconds": statistics.median(step_seconds[2:] or step_seconds) if step_seconds else None,
         "max_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dist.device.type == "cuda" else None,
@@ -458,6 +460,7 @@ def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, t
                 targets: list[str], run_id: str, lineage: dict | None) -> None:
     metadata = {
         "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
+        "diffusion_pipe.adapter": train.adapter,
         "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
         "lora_targets": json.dumps(targets),
     }
@@ -465,5 +468,6 @@ def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, t
         from diffusion_pipe.lineage.record import lineage_metadata
 
         metadata |= lineage_metadata(lineage)
-    tensors = {k: v.float().contiguous() for k, v in sorted(lora.items())}
+    # a LoRA in float32; a full fine-tune's weights in the dtype they trained in (a bf16 model stays its size)
+    tensors = {k: (v if train.adapter == "full" else v.float()).contiguous() for k, v in sorted(lora.items())}
     write_bytes_atomic(path, save_deterministic(tensors, metadata))

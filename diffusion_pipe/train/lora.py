@@ -1,4 +1,5 @@
-"""LoRA through peft: which modules get adapters, and the trained weights under PEFT's key names."""
+"""LoRA through peft: which modules get adapters, and the trained weights under PEFT's key names (or, for a full
+fine-tune, the denoiser's own)."""
 
 from __future__ import annotations
 
@@ -52,16 +53,30 @@ def lora_state_dict(model: nn.Module, only: set[int] | None = None) -> dict[str,
     return out
 
 
-def gather_lora(denoiser: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, only: set[int]) -> dict[str, torch.Tensor]:
+    """The trained weights of a full fine-tune (train.adapter: full) under the denoiser's own names, on CPU, in
+    the dtype they train in; `only`: the parameters a pipeline stage owns."""
+    return {name: param.detach().to("cpu", copy=True).contiguous() for name, param in model.named_parameters()
+            if id(param) in only and param.requires_grad}
+
+
+def gather_lora(denoiser: nn.Module, module: nn.Module, full: bool = False) -> dict[str, torch.Tensor]:
     """Every stage's LoRA weights, gathered on every rank (each stage owns only its own layers' weights); every
-    rank must call it at the same point."""
+    rank must call it at the same point. With `full`, every trained weight of the denoiser, gathered on rank 0
+    only (the others get {}): a whole model is too large to hold once per rank."""
     import torch.distributed as tdist
 
-    mine = lora_state_dict(denoiser, only={id(p) for p in module.parameters()})
+    only = {id(p) for p in module.parameters()}
+    mine = full_state_dict(denoiser, only) if full else lora_state_dict(denoiser, only=only)
     if not tdist.is_initialized() or tdist.get_world_size() == 1:
         return mine
     parts: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(parts, mine)
+    if full:
+        tdist.gather_object(mine, parts if tdist.get_rank() == 0 else None, dst=0)
+        if tdist.get_rank() != 0:
+            return {}
+    else:
+        tdist.all_gather_object(parts, mine)
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)

@@ -9,7 +9,8 @@ from diffusion_pipe.cli_support import stage_command
 
 @stage_command("sample")
 @click.option("--lora", type=click.Path(path_type=Path), default=None,
-              help="A diffusers-format LoRA file [default: artifacts/<export.name>.diffusers.safetensors].")
+              help="A diffusers-format LoRA file [default: artifacts/<export.name>.diffusers.safetensors], or with "
+                   "train.adapter: full the exported directory [default: artifacts/<export.name>.full].")
 @click.option("--out", type=click.Path(path_type=Path), default="reports/lora_samples", show_default=True)
 @click.option("--report", type=click.Path(path_type=Path), default="reports/sample.json", show_default=True)
 @click.option("--videos", type=click.Path(path_type=Path), default="runs/lora_samples", show_default=True,
@@ -19,5 +20,6 @@ def command(params, lora: Path | None, out: Path, report: Path, videos: Path, de
     """Render train.samples.prompts without and with the exported LoRA, loaded with load_lora_weights."""
     from diffusion_pipe.sample.stage import sample_lora
 
-    lora = lora or Path("artifacts") / f"{params.export.name}.diffusers.safetensors"
+    lora = lora or Path("artifacts") / (f"{params.export.name}.full" if params.train.adapter == "full" else
+                                        f"{params.export.name}.diffusers.safetensors")
     sample_lora(params, lora, out, report, videos, device)
