@@ -27,7 +27,7 @@ def _stage(repo, store, name: str) -> None:
     run_checked([sys.executable, "-m", f"stages.{name}"], cwd=repo, env=run_env(store))
 
 
-def test_full_fine_tune_trains_every_weight_and_exports_a_denoiser_the_pipeline_loads(tmp_path):
+def test_full_fine_tune_trains_every_weight_and_exports_a_denoiser_the_pipeline_loads(tmp_path, monkeypatch):
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store, FULL, dvc=False)
     for stage in ("scan", "encode", "train"):
@@ -53,6 +53,13 @@ def test_full_fine_tune_trains_every_weight_and_exports_a_denoiser_the_pipeline_
     exported = repo / "artifacts/shapes-lora.full"
     lineage = json.loads((repo / "artifacts/shapes-lora.lineage.json").read_text())
     assert json.loads((exported / "lineage.json").read_text())["kind"] == "full"
+    # `diffusion-pipe lineage DIR --verify` audits it as it does a merged directory: inputs and exported files
+    from diffusion_pipe.lineage.cli import lineage_command
+
+    monkeypatch.setenv("DIFFUSION_PIPE_STORE", str(store))
+    text, status = lineage_command(exported, verify=True, repo=repo, other=None, as_json=False)
+    assert status == 0, text
+    assert "ok     exported file transformer/diffusion_pytorch_model.safetensors" in text
     assert set(lineage["files"]) == {f"shapes-lora.full/{p.relative_to(exported).as_posix()}"
                                      for p in exported.rglob("*") if p.is_file()}
     assert not list((repo / "artifacts").glob("*.safetensors"))  # no LoRA files beside it
