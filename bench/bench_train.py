@@ -116,6 +116,8 @@ VARIANTS = {
                              "max_gpu_memory_gb": 24},
     "cap24-noswap-share80-compile": {"plain": False, "activation_checkpointing": True, "compile": True,
                                      "activation_checkpointing_share": 0.8, "max_gpu_memory_gb": 24},
+    # full fine-tuning (train.adapter: full): every weight trains, fp32 masters and AdamW state for each
+    "full": {"plain": False, "adapter": "full"},
     # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()
     "samples": {"plain": False, "max_gpu_memory_gb": 80},
 }
