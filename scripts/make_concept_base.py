@@ -121,7 +121,7 @@ def train_vae(out: Path, pretrain_pixels: torch.Tensor, seed: int, steps: int, l
     shapes = to_tensor(autoencoder_images(2048, seed))
     pixels = torch.cat([shapes[:, :, None] if video else shapes, pretrain_pixels])
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=max(0.1, 2 / steps))
     gen = torch.Generator().manual_seed(seed)
     start = time.time()
     for step in range(steps):
@@ -176,7 +176,7 @@ def pretrain_transformer(out: Path, adapter: FluxAdapter, images: list, captions
     )
     batch = 16
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=max(0.05, 2 / steps))
     gen = torch.Generator().manual_seed(seed)
     h, w = latents.shape[-2:]
     img_ids = image_ids(h, w)
@@ -230,7 +230,7 @@ def pretrain_denoiser(adapter: Adapter, images: list, captions: list[str], seed:
     layers = adapter.pipeline_layers(denoiser)
     batch = 16
     opt = torch.optim.AdamW(denoiser.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=max(0.05, 2 / steps))
     gen = torch.Generator().manual_seed(seed)
     start, smoothed = time.time(), None
     for step in range(steps):
