@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -90,3 +91,25 @@ def test_what_a_full_fine_tune_cannot_do_is_refused_when_params_load(tmp_path, e
     (tmp_path / "params.yaml").write_text(text)
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(tmp_path / "params.yaml")
+
+
+def test_an_interrupted_full_fine_tune_resumes_to_the_same_weights(tmp_path):
+    """The checkpoint of a full fine-tune (every weight's fp32 master and AdamW state) resumes exactly: a run
+    resumed from step 2 ends with the weights of the run that went straight through."""
+    from safetensors.torch import load_file
+
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store, {**FULL, "steps: 3": "steps: 4\n  checkpoint_every_steps: 2"},
+                              dvc=False)
+    for stage in ("scan", "encode", "train"):
+        _stage(repo, store, stage)
+    straight = load_file(repo / "runs/train/lora.safetensors")
+    (run,) = (repo / "runs/checkpoints").iterdir()
+    shutil.rmtree(run / "step4")  # as if the run had stopped after the checkpoint of step 2
+    (repo / "runs/train/lora.safetensors").unlink()
+    _stage(repo, store, "train")
+    assert json.loads((repo / "reports/train.json").read_text())["resumed_from"] == 2
+    resumed = load_file(repo / "runs/train/lora.safetensors")
+    assert set(resumed) == set(straight)
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
