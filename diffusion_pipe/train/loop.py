@@ -122,7 +122,9 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                report_path: Path, loss_plot_path: Path, runs_root: Path, store: Store,
                lineage_params: Params | None = None, resume_from: Path | None = None,
                force: bool = False, samples_dir: Path | None = None, lora_formats: tuple[str, ...] = ()) -> dict:
-    """Train a LoRA on the encoded table; write `out_dir/lora.safetensors`, the report and the loss plot.
+    """Train a LoRA on the encoded table (with train.adapter: full, every weight of the denoiser); write
+    `out_dir/lora.safetensors` (for a full fine-tune, the whole denoiser under its own names), the report and the
+    loss plot.
     With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
     An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
     checkpoints, refused when its encoded table, model or parallel layout differ unless `force`.
