@@ -38,7 +38,9 @@ def test_a_clips_first_latent_frame_is_its_first_frames_own_latent(model_dir):
     clip = torch.rand(1, 3, 5, 32, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
     (whole,) = adapter.encode_media(vae, clip)
     (first,) = adapter.encode_media(vae, clip[:, :, :1])
-    assert torch.equal(whole["latents"][:, :1], first["latents"])
+    # equal up to float rounding: the convolutions run over inputs of other lengths (1 ulp apart on some CPUs)
+    torch.testing.assert_close(whole["latents"][:, :1], first["latents"], rtol=0, atol=1e-6)
+    assert not torch.allclose(whole["latents"][:, 1:2], first["latents"], atol=1e-2)  # a later frame is not it
 
 
 def test_first_layer_inputs_are_what_the_i2v_pipeline_feeds_its_transformer(model_dir):
