@@ -289,7 +289,8 @@ def main() -> None:
         for row in results["rows"]:
             for spec, r in row.get("runs", {}).items():
                 cells = [f"{r[k]:{f}}" if isinstance(r.get(k), float) else "-"
-                         for k, f in (("step_seconds", ".3f"), ("train_loss_first", ".6f"), ("train_loss_last10", ".6f"))]
+                         for k, f in (("step_seconds", ".3f"), ("train_loss_first", ".6f"),
+                                      ("train_loss_last10", ".6f"))]
                 print(f"| {row['family']} | {spec} | {cells[0]} | {_gb(r.get('max_memory_gb'))} | {cells[1]} | "
                       f"{cells[2]} | {r.get('error', '')} |")
 

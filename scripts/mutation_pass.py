@@ -221,7 +221,8 @@ MUTATIONS: list[Mutation] = [
              "        denoiser.requires_grad_(False)\n",
              ("tests/train/test_full.py::test_full_fine_tune_trains_every_weight_and_exports_a_denoiser_the_pipeline_loads",),
              "a full fine-tune with no trainable weight"),
-    Mutation("full-not-gathered", "diffusion_pipe/train/lora.py", "    if not tdist.is_initialized() or tdist.get_world_size() == 1:",
+    Mutation("full-not-gathered", "diffusion_pipe/train/lora.py",
+             "    if not tdist.is_initialized() or tdist.get_world_size() == 1:",
              "    if full or not tdist.is_initialized() or tdist.get_world_size() == 1:",
              ("tests/test_pipeline.py::test_a_full_fine_tune_over_two_stages_matches_one",),
              "rank 0 writes only its own stage's weights"),
@@ -234,7 +235,8 @@ MUTATIONS: list[Mutation] = [
              ("tests/train/test_full.py::test_full_fine_tune_trains_every_weight_and_exports_a_denoiser_the_pipeline_loads",),
              "the sample stage renders the base twice"),
     Mutation("full-with-fp8-base-allowed", "diffusion_pipe/params.py", "            if self.model.base_dtype:",
-             "            if False:", ("tests/train/test_full.py::test_what_a_full_fine_tune_cannot_do_is_refused_when_params_load",),
+             "            if False:",
+             ("tests/train/test_full.py::test_what_a_full_fine_tune_cannot_do_is_refused_when_params_load",),
              "fp8 frozen weights under a full fine-tune"),
 ]
 

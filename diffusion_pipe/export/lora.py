@@ -48,7 +48,8 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
     lineage = export_lineage(params, repo, lora_path, manifest, encoded, report, trained)
     if kind == "full":  # the whole denoiser: a diffusers component directory, loaded with from_pretrained
         path = write_full(adapter, lora, out_dir / f"{params.export.name}.full", lineage)
-        listed = json.loads((path / "lineage.json").read_text())["files"] | {"lineage.json": hash_file(path / "lineage.json")}
+        listed = {**json.loads((path / "lineage.json").read_text())["files"],
+                  "lineage.json": hash_file(path / "lineage.json")}
         write_json_atomic(out_dir / f"{params.export.name}.lineage.json",
                           {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}})
         print(f"export: wrote {path}", file=sys.stderr)

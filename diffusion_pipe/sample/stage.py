@@ -21,10 +21,11 @@ from diffusion_pipe.sample.render import (check_prompt, control_image, grid, png
 def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Path, video_dir: Path,
                 device_name: str = "auto") -> dict:
     """Render `train.samples.prompts` with the base model, then with the diffusers-format LoRA at `lora_path`
-    loaded by `load_lora_weights` (a full fine-tune: the denoiser directory at `lora_path`, `load_trained`); write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per
-    prompt: without | with) to `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel
-    difference to `report_path`. Returns the report. With no prompts, or no diffusers-format export, there is
-    nothing to render: the outputs are written empty and the reason printed, so `dvc repro` goes on."""
+    loaded by `load_lora_weights` (a full fine-tune: the denoiser directory at `lora_path`, `load_trained`);
+    write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per prompt: without | with) to
+    `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel difference to `report_path`.
+    Returns the report. With no prompts, or no diffusers-format export, there is nothing to render: the outputs
+    are written empty and the reason printed, so `dvc repro` goes on."""
     prompts = params.train.samples.resolved()
     skip = ("train.samples.prompts is empty" if not prompts else
             "export.formats has no 'diffusers'" if "diffusers" not in params.export.formats else None)
