@@ -43,25 +43,28 @@ def make_shapes_dataset(out_dir: str | Path, wide_every: int = 4) -> int:
     return len(combos)
 
 
-def make_moving_shapes_videos(out_dir: str | Path, frames: int, size: int = 64, fps: int = 8) -> int:
-    """Write one short H.264 clip + caption per colour: a square moving right over a white background, `frames`
-    frames of `size` x `size` (video families' tiny examples; their frame buckets need that many frames).
-    Returns the number of clips written."""
+def make_moving_shapes_videos(out_dir: str | Path, frames: int, size: int = 64, fps: int = 8,
+                              direction: str = "right") -> int:
+    """Write one short H.264 clip + caption per colour: a square moving right (or left) over a white background,
+    `frames` frames of `size` x `size` (video families' tiny examples; their frame buckets need that many frames).
+    Left-moving clips are named `v<i>_<colour>_left`. Returns the number of clips written."""
     import imageio.v3 as iio
     import numpy as np
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if direction == "right" else f"_{direction}"
     for i, (name, colour) in enumerate(COLOURS.items()):
         clip = []
         for f in range(frames):
             img = Image.new("RGB", (size, size), BACKGROUNDS["white"])
-            x = size * 0.1 + f * size * 0.5 / max(frames - 1, 1)
+            step = f if direction == "right" else frames - 1 - f
+            x = size * 0.1 + step * size * 0.5 / max(frames - 1, 1)
             ImageDraw.Draw(img).rectangle((x, size * 0.35, x + size * 0.3, size * 0.65), fill=colour)
             clip.append(np.asarray(img))
-        iio.imwrite(out / f"v{i}_{name}.mp4", np.stack(clip), extension=".mp4", plugin="pyav", codec="libx264",
-                    fps=fps)
-        (out / f"v{i}_{name}.txt").write_text(f"a {name} square moving right\n", encoding="utf-8")
+        iio.imwrite(out / f"v{i}_{name}{suffix}.mp4", np.stack(clip), extension=".mp4", plugin="pyav",
+                    codec="libx264", fps=fps)
+        (out / f"v{i}_{name}{suffix}.txt").write_text(f"a {name} square moving {direction}\n", encoding="utf-8")
     return len(COLOURS)
 
 

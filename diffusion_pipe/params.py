@@ -84,7 +84,8 @@ class DatasetParams:
     # Follow symlinks whose target lies outside `path` (off: such links are excluded rows, never read).
     follow_outside_links: bool = False
     # Edit families (flux_kontext): a directory of control images, one per media file of `path`, matched by
-    # relative path without extension (`path/a/cat.png` <- `control/a/cat.jpg`); see scan/manifest.py.
+    # relative path without extension (`path/a/cat.png` <- `control/a/cat.jpg`); see scan/manifest.py. For an
+    # image-to-video family (wan_i2v) each clip's first frame, in place of the clip's own.
     control: str = ""
 
     @property

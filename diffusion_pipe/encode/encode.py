@@ -78,6 +78,7 @@ class Sample:
     caption_variants: tuple[str, ...] = ()  # its caption's tag orders (shuffle_tags), and their text keys
     variant_keys: tuple[str, ...] = ()
     loss_weight: float = 1.0
+    condition_frames: int = 0  # conditioning made by the family's rule (i2v), at this many frames; 0: as it is
 
     @property
     def sample_id(self) -> str:
@@ -88,7 +89,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class LatentSource:
-    """What one latent entry is encoded from: a media file (an item, or a control image) at a bucket."""
+    """What one latent entry is encoded from: a media file (an item, or a control image) at a bucket; for a
+    conditioning latent made by the family's rule (`condition_frames` > 0), the file's (window's) first frame,
+    which `Adapter.conditioning_pixels` turns into `condition_frames` frames."""
 
     key: str
     path: Path
@@ -96,26 +99,38 @@ class LatentSource:
     bucket: str
     frame_start: int = 0
     frame_stride: int = 1
+    condition_frames: int = 0
 
 
 def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots: dict[str, Path]
                    ) -> dict[str, LatentSource]:
-    """Every latent key the samples need (items' and control images'), each with the first source naming it
-    (the same bytes at the same bucket give the same key, whichever file they are in)."""
+    """Every latent key the samples need (items', control images' and first frames'), each with the first source
+    naming it (the same bytes at the same bucket give the same key, whichever file they are in)."""
     out: dict[str, LatentSource] = {}
     for s in samples:
-        out.setdefault(s.latent_key, LatentSource(s.latent_key, roots[s.dataset] / s.path, s.media, s.bucket,
-                                                  s.frame_start, s.frame_stride))
+        item = roots[s.dataset] / s.path
+        out.setdefault(s.latent_key, LatentSource(s.latent_key, item, s.media, s.bucket, s.frame_start,
+                                                  s.frame_stride))
         for path, key in zip(s.control_paths, s.conditioning_keys):
-            out.setdefault(key, LatentSource(key, control_roots[s.dataset] / path, "image", s.bucket))
+            out.setdefault(key, LatentSource(key, control_roots[s.dataset] / path, "image", s.bucket,
+                                             condition_frames=s.condition_frames))
+        if s.condition_frames and not s.control_paths:  # the item's own first frame
+            for key in s.conditioning_keys:
+                out.setdefault(key, LatentSource(key, item, s.media, s.bucket, s.frame_start, 1,
+                                                 condition_frames=s.condition_frames))
     return out
 
 
 def check_conditioning(row: dict, adapter: Adapter) -> None:
     """An item has as many control images as the family trains on per sample (the scan already excluded items
     whose control image is missing or unusable); else a ConfigError naming the dataset param to fix."""
-    wanted, got = adapter.capabilities.conditioning_latents, len(row.get("control_hashes") or ())
-    if got == wanted:
+    caps = adapter.capabilities
+    wanted, got = caps.conditioning_latents, len(row.get("control_hashes") or ())
+    if caps.conditioning_rule and row["media"] == "image":
+        raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is an image, but model family "
+                          f"'{adapter.name}' turns a first frame into a video and trains on clips; move the images "
+                          "to a dataset of their own trained with a text-to-video family, or leave them out")
+    if got == wanted or (caps.conditioning_rule and not got):  # an i2v family takes the clip's own first frame
         return
     if not wanted:
         raise ConfigError(f"scan.datasets: dataset {row['dataset']!r} has control images (`control`), but model "
@@ -143,6 +158,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     the encoders' weights files (cached by stat)."""
     vae_hash = component_hash(adapter.vae_dir())
     multiple = adapter.pixel_multiple
+    rule = adapter.capabilities.conditioning_rule
     rows = [row for row in manifest.to_pylist() if row["status"] == "ok"]
     texts = caption_text_keys(adapter, model, encode.text_max_length, tuple(
         {c: None for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}))
@@ -161,35 +177,54 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                 )
             # A control image is resized to its target's bucket and keyed as any image latent: by its own bytes,
             # so editing one control image recomputes that one latent.
-            ckeys = tuple(latent_key(content_hash=h, bucket=bucket, resize=RESIZE_SPEC, vae_hash=vae_hash,
-                                     vae_dtype=model.dtype, frames=frames_spec("image", 1))
-                          for h in row.get("control_hashes") or ())
+            controls = tuple(latent_key(content_hash=h, bucket=bucket, resize=RESIZE_SPEC, vae_hash=vae_hash,
+                                        vae_dtype=model.dtype, frames=conditioning_frames(adapter, "image", frames))
+                             for h in row.get("control_hashes") or ())
+            own_first_frame = bool(rule) and not controls  # an i2v family without a declared first frame
             stride = row.get("frame_stride") or 1
             for start in row.get("frame_starts") or (0,):  # a clip's windows: a sample and a latent each
                 lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
                                   frames=frames_spec(row["media"], frames, start, stride), vae_hash=vae_hash,
                                   vae_dtype=model.dtype)
+                ckeys = (latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
+                                    vae_hash=vae_hash, vae_dtype=model.dtype,
+                                    frames=conditioning_frames(adapter, row["media"], frames, start)),
+                         ) if own_first_frame else controls
                 samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
                                       row["content_hash"], row["caption"], lkey, tkey, row["media"],
                                       tuple(row.get("control_paths") or ()), ckeys, start, stride,
                                       tuple(row.get("caption_variants") or ()), vkeys,
-                                      row.get("loss_weight", 1.0)))
+                                      row.get("loss_weight", 1.0), frames if rule else 0))
     return sorted(samples, key=lambda s: s.sample_id)
+
+
+def conditioning_frames(adapter: Adapter, media: str, frames: int, start: int = 0) -> dict:
+    """The `frames` part of a conditioning latent's key. A control image as it is: an image's. Made by the
+    family's rule (`capabilities.conditioning_rule`): the rule, the target's frame count and which first frame
+    it starts from (a clip's window start; a stride does not change the first frame)."""
+    rule = adapter.capabilities.conditioning_rule
+    if not rule:
+        return frames_spec("image", 1)
+    return {"count": frames, "condition": rule, "first_frame": frames_spec(media, 1, start)}
 
 
 class _PixelSet(torch.utils.data.Dataset):
     """Decodes and resizes media in DataLoader workers, overlapping with the encoder."""
 
-    def __init__(self, items: list[tuple[Path, str, str, int, int]]) -> None:
-        self.items = items  # (path, media kind, bucket, a video window's first frame, its stride)
+    def __init__(self, sources: list[LatentSource]) -> None:
+        self.sources = sources
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.sources)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        """(3, frames, height, width) uint8; the encoding process scales it to [-1, 1] on its device."""
-        path, media, bucket, start, stride = self.items[i]
-        return load_pixels_uint8(path, media, *parse_bucket(bucket), start, stride)
+        """(3, frames, height, width) uint8; the encoding process scales it to [-1, 1] on its device. A source
+        made by the family's conditioning rule loads its first frame only (the rule adds the rest)."""
+        s = self.sources[i]
+        width, height, frames = parse_bucket(s.bucket)
+        if s.condition_frames:
+            frames = 1
+        return load_pixels_uint8(s.path, s.media, width, height, frames, s.frame_start, s.frame_stride)
 
 
 class _BackgroundAdd:
@@ -229,12 +264,17 @@ class _BackgroundAdd:
 
 
 def _batches_by_bucket(samples: list[LatentSource], batch_size: int) -> list[list[int]]:
-    """Index batches of `samples` (sorted by bucket), each within one bucket: one loader serves every bucket, so
-    decoding workers start once and keep the encoder fed across bucket boundaries."""
+    """Index batches of `samples` (sorted by bucket, then by conditioning rule frames), each within one bucket and
+    of one kind: one loader serves every bucket, so decoding workers start once and keep the encoder fed across
+    bucket boundaries."""
     batches: list[list[int]] = []
     start = 0
+
+    def kind(s: LatentSource) -> tuple[str, int]:
+        return s.bucket, s.condition_frames
+
     for i in range(1, len(samples) + 1):
-        if i == len(samples) or samples[i].bucket != samples[start].bucket or i - start == batch_size:
+        if i == len(samples) or kind(samples[i]) != kind(samples[start]) or i - start == batch_size:
             batches.append(list(range(start, i)))
             start = i
     return batches
@@ -246,10 +286,9 @@ def _encode_latents(adapter: Adapter, todo: list[LatentSource], store: Store, en
     encoding and writing, without loading the model)."""
     vae = adapter.load_vae(device)
     started = time.perf_counter()
-    todo = sorted(todo, key=lambda s: (s.bucket, s.key))
-    items = [(s.path, s.media, s.bucket, s.frame_start, s.frame_stride) for s in todo]
+    todo = sorted(todo, key=lambda s: (s.bucket, s.condition_frames, s.key))
     loader = torch.utils.data.DataLoader(
-        _PixelSet(items), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
+        _PixelSet(todo), batch_sampler=_batches_by_bucket(todo, encode.batch_size), num_workers=encode.workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if encode.workers else None,
     )
 
@@ -257,6 +296,8 @@ def _encode_latents(adapter: Adapter, todo: list[LatentSource], store: Store, en
         done = 0
         for pixels_uint8 in loader:
             pixels = to_unit_range(pixels_uint8.to(device, non_blocking=True))
+            if todo[done].condition_frames:  # a batch is of one kind (_batches_by_bucket)
+                pixels = adapter.conditioning_pixels(pixels, todo[done].condition_frames)
             with torch.no_grad():
                 entries = adapter.encode_media(vae, pixels)
             yield [(s.key, e) for s, e in zip(todo[done:done + len(entries)], entries)]

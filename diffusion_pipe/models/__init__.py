@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
+    "wan_i2v": "diffusion_pipe.models.wan_i2v:WanI2VAdapter",
     "wan_ti2v": "diffusion_pipe.models.wan_ti2v:WanTI2VAdapter",
     "zimage": "diffusion_pipe.models.zimage:ZImageAdapter",
 }

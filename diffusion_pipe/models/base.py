@@ -33,8 +33,13 @@ class Capabilities:
     export_formats: tuple[str, ...]
     objectives: tuple[str, ...] = ()  # every objective the family trains with; empty: just `objective`
     # Conditioning latents each sample carries besides its target: the control / reference images of an edit
-    # family (scan.datasets[].control), later an i2v family's first frame. 0: the family takes none.
+    # family (scan.datasets[].control), or an image-to-video family's first frame. 0: the family takes none.
     conditioning_latents: int = 0
+    # How a conditioning latent is made. '': a control image encoded as it is (edit families). Otherwise the name
+    # of a rule (it enters the latent key) by which `Adapter.conditioning_pixels` turns a first frame into what
+    # the VAE encodes (Wan I2V: the frame followed by black frames to the target's length); the first frame is
+    # the dataset's control image where it declares one, else the clip's own (its window's) first frame.
+    conditioning_rule: str = ""
 
     @property
     def all_objectives(self) -> tuple[str, ...]:
@@ -201,6 +206,12 @@ class Adapter(ABC):
             raise ValueError(f"family '{self.name}' takes {self.capabilities.conditioning_latents} conditioning "
                              f"latents per sample, got {len(conditioning)}")
         return self.model_inputs(noisy_latents, timesteps, text, guidance)
+
+    def conditioning_pixels(self, first_frame_BC1HW: torch.Tensor, frames: int) -> torch.Tensor:
+        """What the VAE encodes into a sample's conditioning latent, from its first frame (pixels in [-1, 1])
+        and the target's frame count: families with a `capabilities.conditioning_rule` implement it as their
+        pipeline builds its condition, so that training sees what inference feeds the denoiser."""
+        raise NotImplementedError(f"family '{self.name}' has no conditioning rule")
 
     def keep_clean(self, noisy_latents: torch.Tensor, target: torch.Tensor,
                    latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

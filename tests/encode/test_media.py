@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion_pipe.encode.encode import _PixelSet
+from diffusion_pipe.encode.encode import LatentSource, _PixelSet
 from diffusion_pipe.encode.media import (
     FRAME_RULE,
     MediaError,
@@ -116,11 +116,13 @@ def test_pixel_set_dispatches_on_media(tmp_path: Path) -> None:
     still, clip = tmp_path / "a.png", tmp_path / "b.mp4"
     Image.fromarray(_frame(0)).save(still)
     _write_mp4(clip, 5)
-    items = _PixelSet([(still, "image", "32x32x1", 0, 1), (clip, "video", "32x16x5", 0, 1),
-                       (clip, "video", "32x16x2", 1, 3)])
+    items = _PixelSet([LatentSource("k0", still, "image", "32x32x1"), LatentSource("k1", clip, "video", "32x16x5"),
+                       LatentSource("k2", clip, "video", "32x16x2", 1, 3),
+                       LatentSource("k3", clip, "video", "32x16x5", 1, 1, condition_frames=5)])
     assert items[0].shape == (3, 1, 32, 32)
     assert items[1].shape == (3, 5, 16, 32)
     assert torch.equal(items[2], items[1][:, [1, 4]])  # a window: frames 1 and 4
+    assert torch.equal(items[3], items[1][:, 1:2])  # an i2v conditioning source: its window's first frame only
 
 
 def test_frame_rule_is_in_video_keys_only() -> None:

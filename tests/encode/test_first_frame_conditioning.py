@@ -1,0 +1,136 @@
+"""Image-to-video conditioning made by a family's rule (wan_i2v): each sample's condition latent is a store entry
+of its own, keyed by what its bytes depend on (the clip's or the declared control image's bytes, the rule, the
+target's frame count, the window's first frame, bucket, VAE), and encoded from exactly that first frame."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from diffusion_pipe.config import ConfigError, from_dict
+from diffusion_pipe.example import make_moving_shapes_videos
+from diffusion_pipe.encode.encode import latent_sources, plan_samples
+from diffusion_pipe.encode.keys import latent_key
+from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, to_unit_range
+from diffusion_pipe.models import load_adapter
+from diffusion_pipe.models.wan_i2v import CONDITION_RULE, WanI2VAdapter
+from diffusion_pipe.params import EncodeParams, ModelParams
+from diffusion_pipe.store import Store
+from diffusion_pipe.weights import component_hash
+from tests.conftest import make_pipeline_repo
+from tests.encode.helpers import stage_in_process
+
+CLIP = {"dataset": "clips", "path": "a.mp4", "status": "ok", "media": "video", "content_hash": "1" * 32,
+        "caption": "a square moving right", "buckets": ["32x32x5", "48x32x9"], "split": "train", "repeats": 1,
+        "frame_starts": [0, 4], "frame_stride": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wan_i2v")
+    WanI2VAdapter.build_tiny(out, seed=0)
+    return out
+
+
+def plan(model_dir: Path, rows: list[dict]):
+    model = from_dict(ModelParams, {"family": "wan_i2v", "path": str(model_dir), "dtype": "float32"}, "model")
+    params = from_dict(EncodeParams, {"text_max_length": 16}, "encode")
+    return plan_samples(pa.Table.from_pylist(rows), load_adapter(model), model, params)
+
+
+def test_each_window_is_conditioned_on_its_own_first_frame(model_dir: Path, store_env: Path) -> None:
+    samples = plan(model_dir, [CLIP])
+    vae = component_hash(model_dir / "vae")
+    assert len(samples) == 4  # two buckets x two windows
+    for s in samples:
+        frames = int(s.bucket.rsplit("x", 1)[1])
+        assert s.conditioning_keys == (latent_key(
+            content_hash="1" * 32, bucket=s.bucket, resize=RESIZE_SPEC, vae_hash=vae, vae_dtype="float32",
+            frames={"count": frames, "condition": CONDITION_RULE,
+                    "first_frame": frames_spec("video", 1, s.frame_start)}),)
+        assert s.conditioning_keys[0] != s.latent_key
+    assert len({k for s in samples for k in s.conditioning_keys}) == 4
+    # the stride picks the window's later frames, not its first: the condition keys stay, the latents change
+    strided = plan(model_dir, [{**CLIP, "frame_stride": 2}])
+    def by_window(plan_):
+        return {(s.bucket, s.frame_start): s.conditioning_keys for s in plan_}
+
+    assert by_window(strided) == by_window(samples)
+    assert not {s.latent_key for s in strided} & {s.latent_key for s in samples}
+    # the sources: the clip itself, each window's start, the rule's frame count
+    sources = latent_sources(samples, {"clips": Path("/data")}, {})
+    for s in samples:
+        src = sources[s.conditioning_keys[0]]
+        assert (src.path, src.media, src.frame_start, src.frame_stride) == (Path("/data/a.mp4"), "video",
+                                                                            s.frame_start, 1)
+        assert src.condition_frames == int(s.bucket.rsplit("x", 1)[1])
+        assert sources[s.latent_key].condition_frames == 0
+
+
+def test_a_declared_first_frame_keys_by_its_own_bytes(model_dir: Path, store_env: Path) -> None:
+    rows = [{**CLIP, "control_paths": ["a.png"], "control_hashes": ["c" * 32]}]
+    samples = plan(model_dir, rows)
+    vae = component_hash(model_dir / "vae")
+    for s in samples:
+        frames = int(s.bucket.rsplit("x", 1)[1])
+        assert s.conditioning_keys == (latent_key(
+            content_hash="c" * 32, bucket=s.bucket, resize=RESIZE_SPEC, vae_hash=vae, vae_dtype="float32",
+            frames={"count": frames, "condition": CONDITION_RULE, "first_frame": frames_spec("image", 1)}),)
+    edited = plan(model_dir, [{**rows[0], "control_hashes": ["d" * 32]}])
+    assert [s.latent_key for s in edited] == [s.latent_key for s in samples]
+    assert all(a.conditioning_keys != b.conditioning_keys for a, b in zip(edited, samples))
+    sources = latent_sources(samples, {"clips": Path("/data")}, {"clips": Path("/first")})
+    assert {(sources[s.conditioning_keys[0]].path, sources[s.conditioning_keys[0]].media) for s in samples} == {
+        (Path("/first/a.png"), "image")}
+
+
+def test_an_image_is_refused_with_the_dataset_named(model_dir: Path, store_env: Path) -> None:
+    image = {**CLIP, "path": "b.png", "media": "image", "buckets": ["32x32x1"], "frame_starts": [0]}
+    with pytest.raises(ConfigError, match=r"clips/b\.png is an image, but model family 'wan_i2v' .*trains on clips"):
+        plan(model_dir, [CLIP, image])
+
+
+def test_the_stored_condition_is_the_rule_over_the_windows_first_frame(tmp_path: Path) -> None:
+    """Through the scan and encode stages on the bundled example: every sample's condition entry in the store is
+    the VAE's latent of its window's first frame followed by black frames, and editing one clip recomputes its
+    windows' latents and conditions and nothing else."""
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store, dvc=False)
+    shutil.copy(repo / "examples/wan_i2v-tiny/params.yaml", repo / "params.yaml")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(repo)
+        stage_in_process("scan", store)
+        stage_in_process("encode", store)
+    table = pq.read_table(repo / "data/encoded.parquet").to_pylist()
+    assert len(table) == 16 and {r["sample_id"].rsplit("#", 1)[-1] for r in table} >= {"4"}  # 8 clips x 2 windows
+    model = from_dict(ModelParams, {"family": "wan_i2v", "path": str(repo / "examples/wan_i2v-tiny/model"),
+                                    "dtype": "float32"}, "model")
+    adapter = load_adapter(model)
+    vae = adapter.load_vae(torch.device("cpu"))
+    entries = Store(store)
+    for row in table:
+        start = int(row["sample_id"].split("#")[1]) if "#" in row["sample_id"] else 0
+        first = to_unit_range(load_pixels_uint8(repo / "examples/wan_i2v-tiny/data" / row["path"], "video", 64, 64,
+                                                1, start))[None]
+        (want,) = adapter.encode_media(vae, adapter.conditioning_pixels(first, 5))
+        (key,) = row["conditioning_latent_keys"]
+        got = entries.get("latent", key)["latents"]
+        torch.testing.assert_close(got, want["latents"], rtol=0, atol=1e-5)
+        assert not torch.allclose(got, entries.get("latent", row["latent_key"])["latents"], atol=1e-3)
+    # one clip re-encoded by another writer (other bytes): its two windows' latents and conditions, nothing else
+    make_moving_shapes_videos(tmp_path / "other", frames=9, fps=4)
+    shutil.copy(tmp_path / "other/v0_red.mp4", repo / "examples/wan_i2v-tiny/data/v0_red.mp4")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(repo)
+        stage_in_process("scan", store)
+        stage_in_process("encode", store)
+    report = json.loads((repo / "reports/encode.json").read_text())
+    assert (report["latent"]["computed"], report["latent"]["reused_local"]) == (4, 28)
+    # 8 captions and the empty negative prompt (the sample prompts are two of the captions)
+    assert (report["text"]["computed"], report["text"]["reused_local"]) == (0, 9)
