@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # the order the issues rank them in; sdxl and flux have their own benchmarks (flux: bench_train.py)
-PRIORITY = ("qwenimage", "flux2_klein", "hunyuan_video15", "ltx", "sd3", "chroma", "zimage", "wan", "hunyuan_video",
+PRIORITY = ("qwenimage", "flux2_klein", "hunyuan_video15", "ltx", "sd3", "chroma", "zimage", "wan", "wan_i2v", "hunyuan_video",
             "lumina2", "auraflow")
 
 
@@ -121,10 +121,13 @@ def plain_family(family: str, adapter, media: tuple[int, int, int], text_len: in
     latents = adapter.normalise_latents(random_entry(adapter.latent_spec(width, height, frames), g)["latents"]
                                         .float()[None])
     text = {k: v[None] for k, v in random_entry(adapter.text_spec(text_len), g).items()}
+    conditioning = tuple(adapter.normalise_latents(random_entry(adapter.latent_spec(width, height, frames), g)[
+        "latents"].float()[None]) for _ in range(adapter.capabilities.conditioning_latents))
     noised = noise_latents(adapter, latents, torch.randn(latents.shape, generator=g), torch.tensor([0.5]),
                            "uniform", 1.0, g)
     inputs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x,
-                      adapter.model_inputs(noised.noisy, noised.timesteps, text, TrainParams().guidance))
+                      adapter.conditioned_inputs(noised.noisy, noised.timesteps, text, TrainParams().guidance,
+                                                 conditioning))
     target, like = noised.target.to(dev, inputs[0].dtype), noised.noisy.to(dev, inputs[0].dtype)
     contract, denoiser = contract_forward(family), _OnDevice(model, dev)
 

@@ -106,6 +106,15 @@ REAL: dict[str, dict] = {
                     "text_encoder": {"d_model": 4096}},
         "media": (832, 480, 17), "text_len": 512,
     },
+    "wan_i2v": {  # Wan-AI/Wan2.2-I2V-A14B-Diffusers, one expert (14B): Wan 2.1's shape over 36 input channels
+        "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=36,
+                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
+                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
+                    "text_encoder": {"d_model": 4096}},
+        "media": (832, 480, 17), "text_len": 512,
+    },
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
@@ -203,9 +212,10 @@ def random_entry(spec: dict, generator: torch.Generator) -> dict[str, torch.Tens
 
 def fill_store(store_root: Path, encoded: Path, adapter, media: tuple[int, int, int], text_len: int, n: int,
                model, texts: tuple[str, ...] = ()) -> None:
-    """`n` latent and text entries of `adapter`'s specs in a store and the encoded table listing them, plus one
-    text entry per string in `texts` under the key encode gives that caption (sample prompts: the train stage
-    looks them up by that key). `model` is the run's ModelParams (its dtype keys the text entries)."""
+    """`n` latent and text entries of `adapter`'s specs in a store and the encoded table listing them (with the
+    conditioning latents a family takes per sample, also random, in the target's spec), plus one text entry per
+    string in `texts` under the key encode gives that caption (sample prompts: the train stage looks them up by
+    that key). `model` is the run's ModelParams (its dtype keys the text entries)."""
     from diffusion_pipe.bucket_labels import bucket_label
     from diffusion_pipe.encode.encode import Sample, caption_text_keys, write_encoded_table
     from diffusion_pipe.hashing import hash_json
@@ -221,8 +231,12 @@ def fill_store(store_root: Path, encoded: Path, adapter, media: tuple[int, int, 
             lkey, tkey = hash_json(["bench-latent", i]), hash_json(["bench-text", i])
             lw.add(lkey, random_entry(latent_spec, g))
             tw.add(tkey, random_entry(text_spec, g))
+            ckeys = tuple(hash_json(["bench-conditioning", i, c])
+                          for c in range(adapter.capabilities.conditioning_latents))
+            for ckey in ckeys:
+                lw.add(ckey, random_entry(latent_spec, g))
             samples.append(Sample("bench", f"{i}.png", bucket, "train", 1, "", "", lkey, tkey,
-                                  media="video" if frames > 1 else "image"))
+                                  media="video" if frames > 1 else "image", conditioning_keys=ckeys))
         for key in caption_text_keys(adapter, model, text_len, texts).values() if texts else ():
             tw.add(key, random_entry(text_spec, g))
     write_encoded_table(samples, encoded)
