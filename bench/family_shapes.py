@@ -115,6 +115,15 @@ REAL: dict[str, dict] = {
                     "text_encoder": {"d_model": 4096}},
         "media": (832, 480, 17), "text_len": 512,
     },
+    "skyreels_v2": {  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
+        "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
+                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
+                    "text_encoder": {"d_model": 4096}},
+        "media": (832, 480, 17), "text_len": 512,
+    },
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,

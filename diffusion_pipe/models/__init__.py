@@ -26,6 +26,7 @@ REGISTRY: dict[str, str] = {
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
+    "skyreels_v2": "diffusion_pipe.models.skyreels_v2:SkyReelsV2Adapter",
     "wan": "diffusion_pipe.models.wan:WanAdapter",
     "wan_i2v": "diffusion_pipe.models.wan_i2v:WanI2VAdapter",
     "wan_ti2v": "diffusion_pipe.models.wan_ti2v:WanTI2VAdapter",
