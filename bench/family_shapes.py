@@ -43,6 +43,16 @@ REAL: dict[str, dict] = {
                             "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    "krea2": {  # krea/Krea-2-Raw, about 12.6B: Krea2Transformer2DModel's defaults are its shape
+        "transformer": dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
+                            num_key_value_heads=12, intermediate_size=16384, timestep_embed_dim=256,
+                            text_hidden_dim=2560, num_text_layers=12, text_num_attention_heads=20,
+                            text_num_key_value_heads=20, text_intermediate_size=6912, num_layerwise_text_blocks=2,
+                            num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48)),
+        "configs": {"vae": {"z_dim": 16, "temperal_downsample": [False, True, True],
+                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "flux2_klein": {  # black-forest-labs/FLUX.2-klein-base-9B
         "transformer": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=24, attention_head_dim=128,
                             num_attention_heads=32, joint_attention_dim=12288, timestep_guidance_channels=256,

@@ -21,6 +21,7 @@ REGISTRY: dict[str, str] = {
     "flux_kontext": "diffusion_pipe.models.flux_kontext:FluxKontextAdapter",
     "hunyuan_video": "diffusion_pipe.models.hunyuan_video:HunyuanVideoAdapter",
     "hunyuan_video15": "diffusion_pipe.models.hunyuan_video15:HunyuanVideo15Adapter",
+    "krea2": "diffusion_pipe.models.krea2:Krea2Adapter",
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "lumina2": "diffusion_pipe.models.lumina2:Lumina2Adapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",

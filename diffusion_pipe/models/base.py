@@ -266,9 +266,14 @@ class Adapter(ABC):
                       if name != "self" and p.default is inspect.Parameter.empty}
         components |= {self.denoiser_dir().name: denoiser, "vae": vae,
                        "scheduler": scheduler_cls.from_pretrained(scheduler_dir)}
-        pipe = cls(**components)
+        pipe = cls(**components, **self.pipeline_config())
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
+
+    def pipeline_config(self) -> dict:
+        """Settings the family's pipeline takes besides its components (Krea 2: the text layers it taps), as the
+        model's `model_index.json` gives them: {} for most families."""
+        return {}
 
     @property
     def samples_need_control(self) -> bool:
