@@ -55,3 +55,15 @@ def test_original_names_are_the_inverse_of_diffusers_converter(module):
 def test_a_module_without_an_original_name_is_refused():
     with pytest.raises(ValueError, match="no original Krea 2"):
         krea2_original_name("transformer_blocks.0.norm1")
+
+
+def test_default_targets_are_the_main_blocks_not_the_text_fusion(tmp_path):
+    """The text-fusion blocks carry the same module names as the main blocks: the default LoRA leaves them out."""
+    from diffusion_pipe.train.lora import target_module_names
+
+    Krea2Adapter.build_tiny(tmp_path, seed=0)
+    adapter = Krea2Adapter(tmp_path, torch.float32)
+    names = target_module_names(adapter.load_denoiser(torch.device("cpu")), adapter.default_lora_targets,
+                                adapter.lora_exclude())
+    assert names and all(n.startswith("transformer_blocks.") for n in names)
+    assert len(names) == 2 * len(adapter.default_lora_targets)  # every target in both tiny blocks
