@@ -43,6 +43,13 @@ REAL: dict[str, dict] = {
                             "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    "ernie_image": {  # baidu/ERNIE-Image: ErnieImageTransformer2DModel's defaults are its shape
+        "transformer": dict(hidden_size=3072, num_attention_heads=24, num_layers=24, ffn_hidden_size=8192,
+                            in_channels=128, out_channels=128, patch_size=1, text_in_dim=2560,
+                            rope_axes_dim=(32, 48, 48)),
+        "configs": {"vae": {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "krea2": {  # krea/Krea-2-Raw, about 12.6B: Krea2Transformer2DModel's defaults are its shape
         "transformer": dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
                             num_key_value_heads=12, intermediate_size=16384, timestep_embed_dim=256,

@@ -273,6 +273,14 @@ MUTATIONS: list[Mutation] = [
              "ComfyUI names swap q and k"),
     Mutation("krea2-lora-on-text-fusion", "diffusion_pipe/models/krea2.py", '        return r"^text_fusion\\."',
              '        return None', ("tests/models/test_krea2.py",), "the default LoRA also wraps the text fusion"),
+    Mutation("ernie-text-length-ignored", "diffusion_pipe/models/ernie_image.py",
+             "valid_text = torch.arange(t_max, device=x.device).view(1, t_max) < text_lens.view(b, 1)",
+             "valid_text = torch.ones((b, t_max), device=x.device, dtype=torch.bool)",
+             ("tests/models/test_ernie_image.py",), "ERNIE-Image attends to the text padding"),
+    Mutation("ernie-bn-eps-from-config", "diffusion_pipe/models/ernie_image.py",
+             "std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + _BN_EPS).to(latents)",
+             "std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + 1e-2).to(latents)",
+             ("tests/models/test_ernie_image.py",), "latents normalised with another epsilon than the pipeline's"),
 ]
 
 

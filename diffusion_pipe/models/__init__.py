@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "auraflow": "diffusion_pipe.models.auraflow:AuraFlowAdapter",
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
+    "ernie_image": "diffusion_pipe.models.ernie_image:ErnieImageAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
     "flux_kontext": "diffusion_pipe.models.flux_kontext:FluxKontextAdapter",
