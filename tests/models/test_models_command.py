@@ -23,3 +23,18 @@ def test_readme_table_is_the_command_output():
     start = text.index("<!-- models-table")
     table = text[text.index("\n", start) + 1:text.index("<!-- /models-table -->")].strip()
     assert table == output, "README's models table is stale: paste the output of `diffusion-pipe models`"
+
+
+def test_tested_names_the_files_that_test_a_family(tmp_path):
+    """The "tested" column is what the checkout holds: a family's contract suite and its tiny example, each only
+    where its file is there."""
+    from diffusion_pipe.models.cli import tested_by
+
+    assert tested_by("wan") == "contract, dvc repro"
+    assert tested_by("wan", root=tmp_path) == "-"
+    (tmp_path / "tests" / "models").mkdir(parents=True)
+    (tmp_path / "tests" / "models" / "test_wan.py").write_text("")
+    assert tested_by("wan", root=tmp_path) == "contract"
+    (tmp_path / "params.yaml").write_text("model:\n  family: wan\n")  # the bundled example's own params
+    assert tested_by("wan", root=tmp_path) == "contract, dvc repro"
+    assert tested_by("flux") == "contract, dvc repro"
