@@ -105,9 +105,6 @@ class AuraFlowAdapter(Adapter):
     def pixel_multiple(self) -> int:
         return self.vae_scale * self.component_config("transformer")["patch_size"]
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def load_text_encoders(self, device: torch.device) -> AuraFlowTextEncoder:
         from diffusers import AuraFlowPipeline
         from transformers import AutoTokenizer, UMT5EncoderModel

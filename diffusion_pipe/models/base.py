@@ -102,9 +102,11 @@ class Adapter(ABC):
 
         return AutoencoderKL
 
-    @abstractmethod
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        """(text encoder dirs, tokenizer dirs) by component name; their hashes key the text entries."""
+        """(text encoder dirs, tokenizer dirs) by component name; their hashes key the text entries (a chat
+        template kept in the tokenizer's files included). The default is the one-encoder layout most families
+        have: `text_encoder/` and `tokenizer/`."""
+        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 
     def text_template(self) -> str:
         """The template or system prompt the family's pipeline wraps each caption in before encoding, as a

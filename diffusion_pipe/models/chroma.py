@@ -111,9 +111,6 @@ class ChromaAdapter(FluxAdapter):
     )
 
     # ---- encode side -------------------------------------------------------------------------------
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def load_text_encoders(self, device: torch.device) -> ChromaTextEncoder:
         from diffusers import ChromaPipeline
         from transformers import AutoTokenizer, T5EncoderModel

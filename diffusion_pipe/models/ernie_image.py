@@ -131,9 +131,6 @@ class ErnieImageAdapter(Adapter):
 
         return AutoencoderKLFlux2
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def load_text_encoders(self, device: torch.device) -> ErnieImageTextEncoder:
         from transformers import AutoTokenizer, Mistral3Model
 

@@ -110,9 +110,6 @@ class LTXAdapter(Adapter):
     def sample_size_multiple(self) -> int:
         return max(32, self.pixel_multiple)  # LTXPipeline refuses sizes that are not multiples of 32
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLLTXVideo
 

@@ -112,9 +112,6 @@ class Lumina2Adapter(Adapter):
     def pixel_multiple(self) -> int:
         return self.vae_scale * self.component_config("transformer")["patch_size"]
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def text_template(self) -> str:
         """Lumina2Pipeline's system prompt, read from diffusers (it prefixes every caption)."""
         return json.dumps({"system_prompt": _pipeline().system_prompt, "separator": " <Prompt Start> "})

@@ -111,9 +111,6 @@ class QwenImageAdapter(Adapter):
 
         return AutoencoderKLQwenImage
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def text_template(self) -> str:
         """QwenImagePipeline's system-prompt template and how many of its tokens it drops, read from diffusers."""
         pipe = _text_pipeline()

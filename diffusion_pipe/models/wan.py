@@ -128,9 +128,6 @@ class WanAdapter(Adapter):
     def pixel_multiple(self) -> int:
         return self.vae_scale * self.component_config(self._transformer_component())["patch_size"][1]
 
-    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
-        return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
-
     def vae_class(self) -> type[nn.Module]:
         from diffusers import AutoencoderKLWan
 
