@@ -26,6 +26,15 @@ import torch
 # (width, height, frames) and encode.text_max_length as the family's examples/<family>/params-80gb.yaml sets it.
 # Videos are 480x832 x 33 frames (832 wide: a multiple of every family's pixel multiple).
 _FLUX_VAE = {"block_out_channels": [128, 256, 512, 512], "latent_channels": 16}
+_WAN_14B = {
+    "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
+                        "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
+                "text_encoder": {"d_model": 4096}},
+    "media": (832, 480, 17), "text_len": 512,
+}
 REAL: dict[str, dict] = {
     "flux": {  # black-forest-labs/FLUX.1-dev (bench_train.py's dev shape)
         "transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -114,33 +123,11 @@ REAL: dict[str, dict] = {
         "configs": {"vae": {**_FLUX_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
-    "wan": {  # Wan-AI/Wan2.1-T2V-14B-Diffusers; 17 frames: 33 would not leave room for activations on 141 GB
-        "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
-                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
-                    "text_encoder": {"d_model": 4096}},
-        "media": (832, 480, 17), "text_len": 512,
-    },
-    "wan_i2v": {  # Wan-AI/Wan2.2-I2V-A14B-Diffusers, one expert (14B): Wan 2.1's shape over 36 input channels
-        "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=36,
-                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
-                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
-                    "text_encoder": {"d_model": 4096}},
-        "media": (832, 480, 17), "text_len": 512,
-    },
-    "skyreels_v2": {  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
-        "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        "configs": {"vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
-                            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
-                    "text_encoder": {"d_model": 4096}},
-        "media": (832, 480, 17), "text_len": 512,
-    },
+    # Wan-AI/Wan2.1-T2V-14B-Diffusers; 17 frames: 33 would not leave room for activations on 141 GB
+    "wan": _WAN_14B,
+    # Wan-AI/Wan2.2-I2V-A14B-Diffusers, one expert (14B): Wan 2.1's shape over 36 input channels
+    "wan_i2v": {**_WAN_14B, "transformer": {**_WAN_14B["transformer"], "in_channels": 36}},
+    "skyreels_v2": _WAN_14B,  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,

@@ -8,7 +8,6 @@ transformer takes no mask).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,15 +15,8 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
+from diffusion_pipe.models.common import PipelineTextEncoder, dtype_name, load_component, save_tiny_tokenizers
 from diffusion_pipe.models.wan import TopLevelParameters
-
-
-@dataclass
-class AuraFlowTextEncoder:
-    """AuraFlowPipeline over its text encoder and tokenizer only: its own `encode_prompt`."""
-
-    pipeline: object
 
 
 class AuraFlowEmbed(nn.Module):
@@ -105,12 +97,12 @@ class AuraFlowAdapter(Adapter):
     def pixel_multiple(self) -> int:
         return self.vae_scale * self.component_config("transformer")["patch_size"]
 
-    def load_text_encoders(self, device: torch.device) -> AuraFlowTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from diffusers import AuraFlowPipeline
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         encoder = load_component(UMT5EncoderModel, self.model_dir / "text_encoder", self.dtype, device)
-        return AuraFlowTextEncoder(AuraFlowPipeline(
+        return PipelineTextEncoder(AuraFlowPipeline(
             tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer"), text_encoder=encoder, vae=None,
             transformer=None, scheduler=None))
 
@@ -123,7 +115,7 @@ class AuraFlowAdapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
-    def encode_text(self, encoders: AuraFlowTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         pipe = encoders.pipeline
         states, _mask, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False,
                                                  device=pipe.text_encoder.device, max_sequence_length=max_length)

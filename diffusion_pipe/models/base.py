@@ -255,20 +255,18 @@ class Adapter(ABC):
         """The family's pipeline over `denoiser` (as it is being trained), `vae` and the model's own scheduler,
         without text encoders: prompts arrive as stored embeddings (`sample_inputs`), so no text encoder sits
         in memory during training."""
-        import inspect
         import json
 
         import diffusers
 
+        from diffusion_pipe.models.common import bare_pipeline
+
         scheduler_dir = self.model_dir / "scheduler"
         scheduler_cls = getattr(diffusers, json.loads((scheduler_dir / "scheduler_config.json").read_text())[
             "_class_name"])
-        cls = self.pipeline_class()
-        components = {name: None for name, p in inspect.signature(cls.__init__).parameters.items()
-                      if name != "self" and p.default is inspect.Parameter.empty}
-        components |= {self.denoiser_dir().name: denoiser, "vae": vae,
-                       "scheduler": scheduler_cls.from_pretrained(scheduler_dir)}
-        pipe = cls(**components, **self.pipeline_config())
+        pipe = bare_pipeline(self.pipeline_class(), **{self.denoiser_dir().name: denoiser, "vae": vae,
+                                                       "scheduler": scheduler_cls.from_pretrained(scheduler_dir)},
+                             **self.pipeline_config())
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 

@@ -10,7 +10,6 @@ BFL's module names (see `diffusion_pipe.models.flux.comfyui_lora`).
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,16 +17,9 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
+from diffusion_pipe.models.common import PipelineTextEncoder, dtype_name, load_component, save_tiny_tokenizers
 from diffusion_pipe.models.flux import FluxAdapter, image_ids, pack_latents
 from diffusion_pipe.params import SamplePrompt
-
-
-@dataclass
-class ChromaTextEncoder:
-    """ChromaPipeline over its T5 encoder and tokenizer only: its own `encode_prompt` makes the embeddings."""
-
-    pipeline: object
 
 
 class ChromaEmbed(nn.Module):
@@ -111,16 +103,16 @@ class ChromaAdapter(FluxAdapter):
     )
 
     # ---- encode side -------------------------------------------------------------------------------
-    def load_text_encoders(self, device: torch.device) -> ChromaTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from diffusers import ChromaPipeline
         from transformers import AutoTokenizer, T5EncoderModel
 
         t5 = load_component(T5EncoderModel, self.model_dir / "text_encoder", self.dtype, device)
-        return ChromaTextEncoder(ChromaPipeline(scheduler=None, vae=None, transformer=None, text_encoder=t5,
+        return PipelineTextEncoder(ChromaPipeline(scheduler=None, vae=None, transformer=None, text_encoder=t5,
                                                 tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
-    def encode_text(self, encoders: ChromaTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """ChromaPipeline.encode_prompt: T5 states under the padding mask, and the mask the transformer attends
         with (the caption's tokens plus the first padding token)."""
         pipe = encoders.pipeline

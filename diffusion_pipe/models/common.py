@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,24 @@ def resolve_device(name: str, param: str, local_rank: int = 0) -> torch.device:
             raise ConfigError(f"{param}: 'cuda' asked for but no CUDA GPU is visible; set it to 'auto' or 'cpu'")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device(name)
+
+
+@dataclass
+class PipelineTextEncoder:
+    """A family's diffusers pipeline over its text encoder and tokenizer only: the pipeline's own `encode_prompt`
+    makes the text entries (what `Adapter.load_text_encoders` returns for most families)."""
+
+    pipeline: object
+
+
+def bare_pipeline(cls: type, **components: object) -> object:
+    """The diffusers pipeline `cls` over `components`, with None for every other component its __init__ requires:
+    its own prompt encoding, latent packing and position ids, without loading any model."""
+    import inspect
+
+    required = {name: None for name, p in inspect.signature(cls.__init__).parameters.items()
+                if name != "self" and p.default is inspect.Parameter.empty}
+    return cls(**(required | components))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -10,7 +10,6 @@ them before decoding. The transformer runs its sequence first (S, B, H); the pip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,24 +17,17 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
+    save_tiny_qwen_tokenizer
 
 # ErnieImagePipeline's batch-norm epsilon when it un-normalises latents (a literal there, not the VAE's config).
 _BN_EPS = 1e-5
 
 
-@dataclass
-class ErnieImageTextEncoder:
-    """ErnieImagePipeline over its text encoder and tokenizer only: its own `encode_prompt`."""
-
-    pipeline: object
-
-
 def _pipeline(**components: object) -> object:
     from diffusers import ErnieImagePipeline
 
-    parts = {"transformer": None, "vae": None, "text_encoder": None, "tokenizer": None, "scheduler": None}
-    return ErnieImagePipeline(**(parts | components))
+    return bare_pipeline(ErnieImagePipeline, **components)
 
 
 class ErnieImageEmbed(nn.Module):
@@ -131,11 +123,11 @@ class ErnieImageAdapter(Adapter):
 
         return AutoencoderKLFlux2
 
-    def load_text_encoders(self, device: torch.device) -> ErnieImageTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoTokenizer, Mistral3Model
 
         encoder = load_component(Mistral3Model, self.model_dir / "text_encoder", self.dtype, device)
-        return ErnieImageTextEncoder(_pipeline(text_encoder=encoder,
+        return PipelineTextEncoder(_pipeline(text_encoder=encoder,
                                                tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
@@ -151,7 +143,7 @@ class ErnieImageAdapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in (latents - mean) / std]
 
     @torch.no_grad()
-    def encode_text(self, encoders: ErnieImageTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """ErnieImagePipeline.encode_prompt per caption, cut to `max_length` tokens and zero-padded to it, with the
         length the transformer masks the padding by."""
         pipe = encoders.pipeline

@@ -9,7 +9,6 @@ statistics), so the stored latents are already in the transformer's space.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,22 +16,15 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
+    save_tiny_qwen_tokenizer
 from diffusion_pipe.models.zimage import QWEN3_CHAT_TEMPLATE
-
-
-@dataclass
-class Flux2KleinTextEncoder:
-    """Flux2KleinPipeline over its text encoder and tokenizer only: its own `encode_prompt`."""
-
-    pipeline: object
 
 
 def _pipeline(**components: object) -> object:
     from diffusers import Flux2KleinPipeline
 
-    parts = {"scheduler": None, "vae": None, "text_encoder": None, "tokenizer": None, "transformer": None}
-    return Flux2KleinPipeline(**(parts | components))
+    return bare_pipeline(Flux2KleinPipeline, **components)
 
 
 class Flux2Embed(nn.Module):
@@ -136,11 +128,11 @@ class Flux2KleinAdapter(Adapter):
         """The chat template the pipeline wraps captions in is a tokenizer file: the tokenizer hash keys it."""
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 
-    def load_text_encoders(self, device: torch.device) -> Flux2KleinTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         encoder = load_component(AutoModelForCausalLM, self.model_dir / "text_encoder", self.dtype, device)
-        return Flux2KleinTextEncoder(_pipeline(text_encoder=encoder,
+        return PipelineTextEncoder(_pipeline(text_encoder=encoder,
                                                tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
@@ -152,7 +144,7 @@ class Flux2KleinAdapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
-    def encode_text(self, encoders: Flux2KleinTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         pipe = encoders.pipeline
         embeds, _ = pipe.encode_prompt(list(captions), device=pipe.text_encoder.device, max_sequence_length=max_length)
         return [{"prompt_embeds": embeds[i].contiguous().cpu()} for i in range(len(captions))]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,15 +20,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
+    save_tiny_qwen_tokenizer
 from diffusion_pipe.models.qwenimage import QwenImageAdapter
-
-
-@dataclass
-class Krea2TextEncoder:
-    """Krea2Pipeline over its text encoder and tokenizer only: its own `encode_prompt` makes the embeddings."""
-
-    pipeline: object
 
 
 class Krea2Embed(nn.Module):
@@ -65,7 +58,8 @@ def _joint_mask(text_mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 class Krea2Block(nn.Module):
-    """One transformer block over the joint sequence; takes and returns (hidden, temb, temb_mod, text_mask, cos, sin)."""
+    """One transformer block over the joint sequence; takes and returns
+    (hidden, temb, temb_mod, text_mask, cos, sin)."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -107,8 +101,7 @@ class Krea2Adapter(QwenImageAdapter):
     def _pipeline(self, **components: object) -> object:
         from diffusers import Krea2Pipeline
 
-        parts = {"scheduler": None, "vae": None, "text_encoder": None, "tokenizer": None, "transformer": None}
-        return Krea2Pipeline(**(parts | components), **self.pipeline_config())
+        return bare_pipeline(Krea2Pipeline, **components, **self.pipeline_config())
 
     @property
     def patch_size(self) -> int:
@@ -128,15 +121,15 @@ class Krea2Adapter(QwenImageAdapter):
                            "suffix_tokens": pipe.prompt_template_encode_num_suffix_tokens,
                            "layers": list(pipe.text_encoder_select_layers)})
 
-    def load_text_encoders(self, device: torch.device) -> Krea2TextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoTokenizer, Qwen3VLModel
 
         encoder = load_component(Qwen3VLModel, self.model_dir / "text_encoder", self.dtype, device)
-        return Krea2TextEncoder(self._pipeline(text_encoder=encoder,
+        return PipelineTextEncoder(self._pipeline(text_encoder=encoder,
                                                tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
-    def encode_text(self, encoders: Krea2TextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """Krea2Pipeline.encode_prompt: (max_length, tapped layers, width) states and the mask of real tokens."""
         pipe = encoders.pipeline
         states, mask = pipe.encode_prompt(captions, device=pipe.text_encoder.device, max_sequence_length=max_length)

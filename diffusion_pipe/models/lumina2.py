@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,14 +16,8 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import TOKENIZER_CORPUS, attention_mask, dtype_name, load_component
-
-
-@dataclass
-class Lumina2TextEncoder:
-    """Lumina2Pipeline over its text encoder and tokenizer only: its own `encode_prompt`."""
-
-    pipeline: object
+from diffusion_pipe.models.common import TOKENIZER_CORPUS, PipelineTextEncoder, attention_mask, dtype_name, \
+    load_component
 
 
 def _pipeline(**components: object) -> object:
@@ -116,11 +109,11 @@ class Lumina2Adapter(Adapter):
         """Lumina2Pipeline's system prompt, read from diffusers (it prefixes every caption)."""
         return json.dumps({"system_prompt": _pipeline().system_prompt, "separator": " <Prompt Start> "})
 
-    def load_text_encoders(self, device: torch.device) -> Lumina2TextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoModel, AutoTokenizer
 
         encoder = load_component(AutoModel, self.model_dir / "text_encoder", self.dtype, device)
-        return Lumina2TextEncoder(_pipeline(text_encoder=encoder,
+        return PipelineTextEncoder(_pipeline(text_encoder=encoder,
                                             tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
@@ -132,7 +125,7 @@ class Lumina2Adapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
-    def encode_text(self, encoders: Lumina2TextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """Lumina2Pipeline.encode_prompt: the caption after the system prompt, Gemma 2's second-to-last hidden
         states and the tokens' mask, at `max_length` tokens."""
         pipe = encoders.pipeline

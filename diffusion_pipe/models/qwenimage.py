@@ -8,7 +8,6 @@ hidden states of the caption's tokens) and latents are packed into 2x2 patches l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,15 +15,9 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, dtype_name, load_component, \
+    save_tiny_qwen_tokenizer
 from diffusion_pipe.models.flux import pack_latents, unpack_latents
-
-
-@dataclass
-class QwenImageTextEncoder:
-    """QwenImagePipeline over its text encoder and tokenizer only: its own `encode_prompt` makes the embeddings."""
-
-    pipeline: object
 
 
 def _text_pipeline(text_encoder: nn.Module | None = None, tokenizer: object | None = None) -> object:
@@ -117,12 +110,12 @@ class QwenImageAdapter(Adapter):
         return json.dumps({"template": pipe.prompt_template_encode,
                            "drop_tokens": pipe.prompt_template_encode_start_idx})
 
-    def load_text_encoders(self, device: torch.device) -> QwenImageTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         encoder = load_component(Qwen2_5_VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype,
                                  device)
-        return QwenImageTextEncoder(_text_pipeline(encoder, AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        return PipelineTextEncoder(_text_pipeline(encoder, AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
@@ -134,7 +127,7 @@ class QwenImageAdapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
-    def encode_text(self, encoders: QwenImageTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """QwenImagePipeline.encode_prompt, then zero-padded to `max_length` with the mask saying which tokens are
         the caption's (the pipeline pads to the longest caption of its batch; padding is masked out of
         attention and does not move the caption tokens' rotary positions, so its length changes nothing)."""

@@ -7,7 +7,6 @@ feeds it 1 - t and negates its output, and so does this adapter, so training see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,7 +14,8 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import attention_mask, dtype_name, load_component, save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, attention_mask, dtype_name, load_component, \
+    save_tiny_qwen_tokenizer
 from diffusion_pipe.models.wan import TopLevelParameters
 
 # Qwen3's chat template, reduced to what ZImagePipeline renders (one user message, the generation prompt, with
@@ -26,13 +26,6 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
     "{%- endif %}{%- endif %}"
 )
-
-
-@dataclass
-class ZImageTextEncoder:
-    """ZImagePipeline over its text encoder and tokenizer only: its own `encode_prompt` makes the embeddings."""
-
-    pipeline: object
 
 
 class ZImageEmbed(nn.Module):
@@ -122,12 +115,12 @@ class ZImageAdapter(Adapter):
         """The chat template ZImagePipeline wraps captions in is a tokenizer file: the tokenizer hash keys it."""
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 
-    def load_text_encoders(self, device: torch.device) -> ZImageTextEncoder:
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from diffusers import ZImagePipeline
         from transformers import AutoModel, AutoTokenizer
 
         encoder = load_component(AutoModel, self.model_dir / "text_encoder", self.dtype, device)
-        return ZImageTextEncoder(ZImagePipeline(scheduler=None, vae=None, transformer=None, text_encoder=encoder,
+        return PipelineTextEncoder(ZImagePipeline(scheduler=None, vae=None, transformer=None, text_encoder=encoder,
                                                 tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
 
     @torch.no_grad()
@@ -139,7 +132,7 @@ class ZImageAdapter(Adapter):
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
-    def encode_text(self, encoders: ZImageTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
+    def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """ZImagePipeline.encode_prompt (the caption as a chat user message, the encoder's second-to-last hidden
         states of the real tokens), zero-padded to `max_length` with a mask of the real tokens."""
         pipe = encoders.pipeline
