@@ -134,3 +134,43 @@ def test_the_stored_condition_is_the_rule_over_the_windows_first_frame(tmp_path:
     assert (report["latent"]["computed"], report["latent"]["reused_local"]) == (4, 28)
     # 8 captions and the empty negative prompt (the sample prompts are two of the captions)
     assert (report["text"]["computed"], report["text"]["reused_local"]) == (0, 9)
+
+
+def test_a_declared_first_frame_is_encoded_by_the_rule_and_replaces_the_clips_own(tmp_path: Path) -> None:
+    """A dataset with `control`: each clip's condition is its control image (cover-cropped to the clip's bucket)
+    followed by black frames through the VAE, not the clip's own first frame; a clip without one is an excluded
+    row (missing_control), never trained without its first frame."""
+    from PIL import Image
+
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store, dvc=False)
+    data = repo / "examples/wan_i2v-tiny/data"
+    control = repo / "first-frames"
+    control.mkdir()
+    for i, clip in enumerate(sorted(data.glob("*.mp4"))[:-1]):  # the last clip has no declared first frame
+        Image.new("RGB", (80, 64), (40 * i, 200, 255 - 30 * i)).save(control / f"{clip.stem}.png")
+    params = (repo / "examples/wan_i2v-tiny/params.yaml").read_text()
+    params = params.replace("      name: clips\n", "      name: clips\n      control: first-frames\n")
+    (repo / "params.yaml").write_text(params)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(repo)
+        stage_in_process("scan", store)
+        stage_in_process("encode", store)
+    manifest = {r["path"]: r for r in pq.read_table(repo / "data/manifest.parquet").to_pylist()}
+    last = sorted(data.glob("*.mp4"))[-1].name
+    assert manifest[last]["reason"] == "missing_control"
+    table = pq.read_table(repo / "data/encoded.parquet").to_pylist()
+    assert len(table) == 2 * 7 and last not in {r["path"] for r in table}
+    model = from_dict(ModelParams, {"family": "wan_i2v", "path": str(repo / "examples/wan_i2v-tiny/model"),
+                                    "dtype": "float32"}, "model")
+    adapter = load_adapter(model)
+    vae = adapter.load_vae(torch.device("cpu"))
+    entries = Store(store)
+    windows = {}
+    for row in table:
+        first = to_unit_range(load_pixels_uint8(control / (Path(row["path"]).stem + ".png"), "image", 64, 64, 1))
+        (want,) = adapter.encode_media(vae, adapter.conditioning_pixels(first[None], 5))
+        (key,) = row["conditioning_latent_keys"]
+        torch.testing.assert_close(entries.get("latent", key)["latents"], want["latents"], rtol=0, atol=1e-5)
+        windows.setdefault(row["path"], set()).add(key)
+    assert all(len(keys) == 1 for keys in windows.values())  # both windows of a clip start from its one image
