@@ -281,6 +281,9 @@ MUTATIONS: list[Mutation] = [
              "std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + _BN_EPS).to(latents)",
              "std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + 1e-2).to(latents)",
              ("tests/models/test_ernie_image.py",), "latents normalised with another epsilon than the pipeline's"),
+    Mutation("chroma-text-dirs-from-flux", "diffusion_pipe/models/chroma.py",
+             "        return Adapter.text_component_dirs(self)", "        return FluxAdapter.text_component_dirs(self)",
+             ("tests/models/test_chroma.py",), "Chroma's text keys hash Flux's two encoders, one of which it lacks"),
 ]
 
 

@@ -16,8 +16,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, dtype_name, load_component, save_tiny_tokenizers
+from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
+from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
+    save_tiny_tokenizers
 from diffusion_pipe.models.flux import FluxAdapter, image_ids, pack_latents
 from diffusion_pipe.params import SamplePrompt
 
@@ -103,13 +104,17 @@ class ChromaAdapter(FluxAdapter):
     )
 
     # ---- encode side -------------------------------------------------------------------------------
+    def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:
+        """T5 alone (Flux's CLIP is not part of Chroma): the one-encoder layout, not Flux's two."""
+        return Adapter.text_component_dirs(self)
+
     def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from diffusers import ChromaPipeline
         from transformers import AutoTokenizer, T5EncoderModel
 
         t5 = load_component(T5EncoderModel, self.model_dir / "text_encoder", self.dtype, device)
-        return PipelineTextEncoder(ChromaPipeline(scheduler=None, vae=None, transformer=None, text_encoder=t5,
-                                                tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(bare_pipeline(ChromaPipeline, text_encoder=t5, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:

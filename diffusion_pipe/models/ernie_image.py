@@ -127,8 +127,8 @@ class ErnieImageAdapter(Adapter):
         from transformers import AutoTokenizer, Mistral3Model
 
         encoder = load_component(Mistral3Model, self.model_dir / "text_encoder", self.dtype, device)
-        return PipelineTextEncoder(_pipeline(text_encoder=encoder,
-                                               tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(_pipeline(text_encoder=encoder, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:

@@ -125,8 +125,8 @@ class Krea2Adapter(QwenImageAdapter):
         from transformers import AutoTokenizer, Qwen3VLModel
 
         encoder = load_component(Qwen3VLModel, self.model_dir / "text_encoder", self.dtype, device)
-        return PipelineTextEncoder(self._pipeline(text_encoder=encoder,
-                                               tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(self._pipeline(text_encoder=encoder, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:

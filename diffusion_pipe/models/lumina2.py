@@ -113,8 +113,8 @@ class Lumina2Adapter(Adapter):
         from transformers import AutoModel, AutoTokenizer
 
         encoder = load_component(AutoModel, self.model_dir / "text_encoder", self.dtype, device)
-        return PipelineTextEncoder(_pipeline(text_encoder=encoder,
-                                            tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(_pipeline(text_encoder=encoder, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:

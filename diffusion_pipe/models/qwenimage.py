@@ -115,7 +115,8 @@ class QwenImageAdapter(Adapter):
 
         encoder = load_component(Qwen2_5_VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype,
                                  device)
-        return PipelineTextEncoder(_text_pipeline(encoder, AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(_text_pipeline(encoder, tokenizer))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, attention_mask, dtype_name, load_component, \
-    save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import PipelineTextEncoder, attention_mask, bare_pipeline, dtype_name, \
+    load_component, save_tiny_qwen_tokenizer
 from diffusion_pipe.models.wan import TopLevelParameters
 
 # Qwen3's chat template, reduced to what ZImagePipeline renders (one user message, the generation prompt, with
@@ -120,8 +120,8 @@ class ZImageAdapter(Adapter):
         from transformers import AutoModel, AutoTokenizer
 
         encoder = load_component(AutoModel, self.model_dir / "text_encoder", self.dtype, device)
-        return PipelineTextEncoder(ZImagePipeline(scheduler=None, vae=None, transformer=None, text_encoder=encoder,
-                                                tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
+        return PipelineTextEncoder(bare_pipeline(ZImagePipeline, text_encoder=encoder, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:

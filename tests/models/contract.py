@@ -123,6 +123,12 @@ class AdapterContract:
             again = adapter.encode_media(vae, pixels)
             assert all(torch.equal(entries[i][k], again[i][k]) for i in range(2) for k in entries[i])
 
+    def test_text_components_are_the_models(self, adapter):
+        """The directories whose hashes key the text entries are the model's own text encoders and tokenizers."""
+        encoders, tokenizers = adapter.text_component_dirs()
+        assert encoders and tokenizers
+        assert all(d.is_dir() and any(d.iterdir()) for d in (*encoders.values(), *tokenizers.values()))
+
     def test_encode_text_matches_spec_and_is_deterministic(self, adapter):
         encoders = adapter.load_text_encoders(torch.device("cpu"))
         captions = ["a red circle", "a blue square on a white background"]
