@@ -134,10 +134,12 @@ class ErnieImageAdapter(Adapter):
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
         """The distribution's mode, 2x2-patchified (the pipeline's `_patchify_latents`) and normalised by the VAE's
         batch-norm statistics, the inverse of what ErnieImagePipeline applies before decoding."""
+        from diffusers import ErnieImagePipeline
+
         if pixels_BCFHW.shape[2] != 1:
             raise ValueError(f"family 'ernie_image' trains on images only; got {pixels_BCFHW.shape[2]} frames")
         latents = vae.encode(pixels_BCFHW[:, :, 0].to(vae.device, vae.dtype)).latent_dist.mode()
-        latents = _pipeline()._patchify_latents(latents)
+        latents = ErnieImagePipeline._patchify_latents(latents)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + _BN_EPS).to(latents)
         return [{"latents": x.contiguous().cpu()} for x in (latents - mean) / std]

@@ -189,8 +189,9 @@ class Flux2KleinAdapter(Adapter):
                      guidance: float) -> tuple[torch.Tensor, ...]:
         """As Flux2KleinPipeline calls the transformer: packed latent tokens, its position ids for them and for
         the text; `guidance` reaches the transformer only if it has a guidance embedding."""
+        from diffusers import Flux2KleinPipeline as pipe  # its static packing and id helpers: nothing to build
+
         b = noisy_latents.shape[0]
-        pipe = _pipeline()
         prompt_embeds = text["prompt_embeds"].to(self.dtype)
         return (pipe._pack_latents(noisy_latents).to(self.dtype), timesteps.to(self.dtype), prompt_embeds,
                 pipe._prepare_latent_ids(noisy_latents).float(), pipe._prepare_text_ids(prompt_embeds).float(),

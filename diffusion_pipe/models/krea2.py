@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
@@ -91,21 +92,32 @@ class Krea2Adapter(QwenImageAdapter):
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
 
-    def pipeline_config(self) -> dict:
-        """Krea2Pipeline's own settings in model_index.json (tapped layers, patch size, distilled or not)."""
+    @cached_property
+    def _index(self) -> dict:
+        """Krea2Pipeline's own settings in model_index.json (tapped layers, patch size, distilled or not), read
+        once: training asks for the patch size every micro-batch."""
         path = self.model_dir / "model_index.json"
         index = json.loads(path.read_text()) if path.is_file() else {}
         return {k: index[k] for k in ("text_encoder_select_layers", "is_distilled", "patch_size")
                 if index.get(k) is not None}
+
+    def pipeline_config(self) -> dict:
+        return dict(self._index)
 
     def _pipeline(self, **components: object) -> object:
         from diffusers import Krea2Pipeline
 
         return bare_pipeline(Krea2Pipeline, **components, **self.pipeline_config())
 
+    @cached_property
+    def _bare(self) -> object:
+        """Krea2Pipeline without components, for its template, packing and position ids: built once, not per
+        micro-batch."""
+        return self._pipeline()
+
     @property
     def patch_size(self) -> int:
-        return self.pipeline_config().get("patch_size", 2)
+        return self._index.get("patch_size", 2)
 
     # ---- encode side (latents: Qwen-Image's) -------------------------------------------------------
     @property
@@ -115,7 +127,7 @@ class Krea2Adapter(QwenImageAdapter):
     def text_template(self) -> str:
         """Krea2Pipeline's template (prefix, the suffix after the padding, the tokens it drops) and the layers it
         taps, read from diffusers and the model's index."""
-        pipe = self._pipeline()
+        pipe = self._bare
         return json.dumps({"prefix": pipe.prompt_template_encode_prefix, "suffix": pipe.prompt_template_encode_suffix,
                            "drop_tokens": pipe.prompt_template_encode_start_idx,
                            "suffix_tokens": pipe.prompt_template_encode_num_suffix_tokens,
@@ -167,7 +179,7 @@ class Krea2Adapter(QwenImageAdapter):
         their mask, the joint sequence's position ids (one row per item); Krea 2 has no guidance embedding."""
         b, c, h, w = noisy_latents.shape
         p = self.patch_size
-        pipe = self._pipeline()
+        pipe = self._bare
         prompt_embeds = text["prompt_embeds"].to(self.dtype)
         ids = pipe.prepare_position_ids(prompt_embeds.shape[1], h // p, w // p, noisy_latents.device)
         return (pipe._pack_latents(noisy_latents, b, c, h, w).to(self.dtype), timesteps.to(self.dtype),
