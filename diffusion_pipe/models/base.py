@@ -204,10 +204,15 @@ class Adapter(ABC):
         this and places them (Kontext: packed tokens after the target's, with their own position ids; they travel
         through every pipeline layer with the target's and `prediction_to_latents` drops them before the loss).
         The default is `model_inputs`, for families that take none."""
+        self.check_conditioning_count(conditioning)
+        return self.model_inputs(noisy_latents, timesteps, text, guidance)
+
+    def check_conditioning_count(self, conditioning: tuple[torch.Tensor, ...]) -> None:
+        """ValueError unless a micro-batch carries as many conditioning latents as the family takes: the first
+        thing every `conditioned_inputs` does."""
         if len(conditioning) != self.capabilities.conditioning_latents:
             raise ValueError(f"family '{self.name}' takes {self.capabilities.conditioning_latents} conditioning "
                              f"latents per sample, got {len(conditioning)}")
-        return self.model_inputs(noisy_latents, timesteps, text, guidance)
 
     def conditioning_pixels(self, first_frame_BC1HW: torch.Tensor, frames: int) -> torch.Tensor:
         """What the VAE encodes into a sample's conditioning latent, from its first frame (pixels in [-1, 1])

@@ -35,8 +35,7 @@ class FluxKontextAdapter(FluxAdapter):
         target's, as FluxKontextPipeline builds both."""
         from diffusers import FluxKontextPipeline
 
-        if len(conditioning) != 1:
-            raise ValueError(f"family '{self.name}' takes one control image per sample, got {len(conditioning)}")
+        self.check_conditioning_count(conditioning)
         hidden, timestep, t5, pooled, img_ids, txt_ids, guidance_t = self.model_inputs(noisy_latents, timesteps,
                                                                                         text, guidance)
         control = conditioning[0]

@@ -61,8 +61,7 @@ class WanI2VAdapter(WanAdapter):
         """Wan's inputs over [noisy latents, first-frame mask, condition latent] along channels, as the pipeline
         concatenates them: the mask is 1 on the first latent frame (the first pixel frame, repeated for each
         frame the VAE folds into it) and 0 after."""
-        if len(conditioning) != 1:
-            raise ValueError(f"family '{self.name}' takes 1 conditioning latents per sample, got {len(conditioning)}")
+        self.check_conditioning_count(conditioning)
         (condition,) = conditioning
         b, _, frames, h, w = noisy_latents.shape
         mask = noisy_latents.new_zeros(b, self.vae_scale_temporal, frames, h, w)

@@ -189,6 +189,9 @@ class AdapterContract:
             predictions.append(adapter.prediction_to_latents(x, latents))
         assert predictions[0].shape == latents.shape
         assert (predictions[0] - predictions[1]).abs().max() > 1e-4
+        _, noised, _ = self._inputs(adapter)
+        with pytest.raises(ValueError, match="conditioning latents per sample, got 0"):  # a sample without them
+            adapter.conditioned_inputs(noised.noisy, noised.timesteps, {}, 1.0, ())
 
     def test_kept_clean_latents_and_the_target_match_the_prediction(self, adapter, lora_model):
         """What `keep_clean` leaves in the target has the shape `prediction_to_latents` gives the prediction for
