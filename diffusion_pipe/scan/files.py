@@ -54,6 +54,11 @@ class Listing:
     ignored_files: int = 0  # neither media nor captions
     warnings: list[str] = field(default_factory=list)
 
+    def entry(self, i: int) -> Entry:
+        """The `i`th file as an `Entry` (as `entries[i]`, without building the others)."""
+        return Entry(self.rels[i], os.path.join(self.root, self.rels[i]), self.kinds[i], self.stats[i],
+                     *self.problems.get(i, ()))
+
     @functools.cached_property
     def entries(self) -> list[Entry]:
         """The files as `Entry` tuples, sorted by relative path."""

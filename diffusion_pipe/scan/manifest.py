@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from diffusion_pipe.bucket_labels import parse_bucket
@@ -82,6 +83,12 @@ SCHEMA = pa.schema(
     ],
     metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
 )
+
+# The rows as the scan keeps them between runs (snapshot.py) and reports on: the manifest's columns plus what the
+# report needs beyond them (`Row.detail`, `Row.caption_missing`).
+ROWS_SCHEMA = SCHEMA.append(pa.field("detail", pa.string(), nullable=False)).append(
+    pa.field("caption_missing", pa.bool_(), nullable=False))
+_LIST_FIELDS = tuple(f.name for f in ROWS_SCHEMA if pa.types.is_list(f.type))
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,10 @@ def split_for(content_hash: str, eval_fraction: float) -> str:
     return "eval" if int(content_hash[:8], 16) / 2**32 < eval_fraction else "train"
 
 
-def _caption_stem(rel: str) -> str:
+def item_stem(rel: str) -> str:
     """'dir/name' of 'dir/name.ext' (os.path.splitext's answer for the names a listing holds, which all have
-    a media or caption extension; cheaper, as this runs twice per item)."""
+    a media or caption extension; cheaper, as this runs twice per item). An item's caption and control image
+    are the files of its stem."""
     stem, dot, _ = rel.rpartition(".")
     return stem if dot and not stem.endswith("/") and stem else rel
 
@@ -154,7 +162,7 @@ def captions_by_stem(entries: Sequence[Entry], reads: dict[str, CaptionRead],
             continue
         read = CaptionRead(reason=_CAPTION_PROBLEMS.get(e.problem, "caption_unreadable"), detail=e.detail) \
             if e.problem else reads[e.rel]
-        stem = _caption_stem(e.rel)
+        stem = item_stem(e.rel)
         if stem not in out or e.rel.endswith(extension):
             out[stem] = read
     return out
@@ -179,7 +187,7 @@ def controls_by_stem(entries: Sequence[Entry], results: dict[str, Probe]) -> dic
             continue
         probe = Probe(media=media_kind(e.rel) or "image", reason=e.problem, detail=e.detail) if e.problem \
             else results[e.rel]
-        out.setdefault(_caption_stem(e.rel), []).append((e, probe))
+        out.setdefault(item_stem(e.rel), []).append((e, probe))
     return out
 
 
@@ -217,12 +225,12 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             result = results[e.rel]
             assert isinstance(result, Probe), e.rel
             probe = result
-        cap = resolve_caption(caption_reads.get(_caption_stem(e.rel)), p.caption_policy, p.default_caption,
+        cap = resolve_caption(caption_reads.get(item_stem(e.rel)), p.caption_policy, p.default_caption,
                               p.caption_prefix)
         reason = probe.reason or cap.reason
         control = ControlMatch()
         if controls is not None and not reason:
-            control = match_control(controls.get(_caption_stem(e.rel), ()))
+            control = match_control(controls.get(item_stem(e.rel), ()))
             reason = control.reason
         labels: tuple[str, ...] = ()
         if not reason:
@@ -251,36 +259,66 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             detail=probe.detail if probe.reason else cap.detail if cap.reason else control.detail,
             caption_missing=cap.missing and not probe.reason,
         ))
-    return mark_duplicates(sorted(rows, key=lambda r: r.path))
+    return sorted(rows, key=lambda r: r.path)
 
 
-def mark_duplicates(rows: Sequence[Row]) -> list[Row]:
-    """Exclude ok rows whose content hash (and control images' hashes) an earlier ok row (in the given order)
-    already has: an edit dataset may pair one target with several different control images."""
-    seen: dict[tuple[str, tuple[str, ...]], str] = {}
-    out = []
-    for r in rows:
-        if r.status == "ok":
-            first = seen.setdefault((r.content_hash, r.control_hashes), r.path)
-            if first != r.path:
-                r = Row(**{**r.__dict__, "status": "excluded", "reason": "duplicate", "buckets": (), "caption_variants": (),
-                           "detail": f"same content as {first}"})
-        out.append(r)
-    return out
-
-
-def manifest_table(rows: Sequence[Row]) -> pa.Table:
-    """The rows as an Arrow table with the manifest schema, sorted by (dataset, path)."""
+def rows_table(rows: Sequence[Row]) -> pa.Table:
+    """Rows (before rule 5, `mark_duplicates`) as an Arrow table of ROWS_SCHEMA, sorted by (dataset, path)."""
     ordered = sorted(rows, key=lambda r: (r.dataset, r.path))
-    cols = {name: [getattr(r, name) for r in ordered] for name in SCHEMA.names}
-    for name in ("buckets", "control_paths", "control_hashes", "frame_starts", "caption_variants"):
+    cols = {name: [getattr(r, name) for r in ordered] for name in ROWS_SCHEMA.names}
+    for name in _LIST_FIELDS:
         cols[name] = [list(b) for b in cols[name]]
-    return pa.Table.from_pydict(cols, schema=SCHEMA)
+    return pa.Table.from_pydict(cols, schema=ROWS_SCHEMA)
 
 
-def manifest_bytes(rows: Sequence[Row]) -> bytes:
-    """The manifest parquet file as bytes: same rows, same bytes (fixed schema and options, no timestamps)."""
+def sort_rows(table: pa.Table) -> pa.Table:
+    """The table in manifest order, (dataset, path), in one chunk (Arrow compares the UTF-8 bytes, which orders as
+    Python orders the strings)."""
+    order = pc.sort_indices(table, sort_keys=[("dataset", "ascending"), ("path", "ascending")])
+    return table.take(order).combine_chunks()
+
+
+def table_rows(table: pa.Table) -> list[Row]:
+    """A rows table back as `Row`s (for callers that want Python objects)."""
+    return [Row(**{k: tuple(v) if k in _LIST_FIELDS else v for k, v in r.items()}) for r in table.to_pylist()]
+
+
+def mark_duplicates(table: pa.Table) -> pa.Table:
+    """Rule 5 over a rows table sorted by (dataset, path): exclude each ok row whose dataset, content hash and
+    control images' hashes an earlier ok row already has (an edit dataset may pair one target with several
+    different control images). Only rows whose key repeats are looked at in Python."""
+    ok = pc.equal(table["status"], "ok")
+    key = pc.binary_join_element_wise(table["dataset"], table["content_hash"],
+                                      pc.binary_join(table["control_hashes"], "\x01"), "\x00")
+    counts = pc.value_counts(key.filter(ok))
+    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+    if not len(repeated):
+        return table
+    candidates = pc.and_(ok, pc.is_in(key, value_set=repeated))
+    first: dict[str, str] = {}
+    dup: dict[int, str] = {}  # row index -> the path of the first copy
+    for i, k, path in zip(pc.indices_nonzero(candidates).to_pylist(), key.filter(candidates).to_pylist(),
+                          table["path"].filter(candidates).to_pylist()):
+        if first.setdefault(k, path) != path:
+            dup[i] = first[k]
+    mask = pa.array([i in dup for i in range(table.num_rows)]) if dup else None
+    empty = pa.scalar([], pa.list_(pa.string()))
+    changed = {
+        "status": pc.if_else(mask, "excluded", table["status"]),
+        "reason": pc.if_else(mask, "duplicate", table["reason"]),
+        "buckets": pc.if_else(mask, empty, table["buckets"]),
+        "caption_variants": pc.if_else(mask, empty, table["caption_variants"]),
+        "detail": pc.replace_with_mask(table["detail"].combine_chunks(), mask,
+                                       pa.array([f"same content as {dup[i]}" for i in sorted(dup)])),
+    }
+    return pa.Table.from_arrays([changed.get(n, table[n]) for n in table.column_names], schema=table.schema)
+
+
+def manifest_bytes(table: pa.Table) -> bytes:
+    """The manifest parquet file of a final rows table (after `mark_duplicates`) as bytes: same rows, same bytes
+    (fixed schema and options, no timestamps)."""
+    manifest = pa.Table.from_arrays([table[n] for n in SCHEMA.names], schema=SCHEMA).combine_chunks()
     sink = pa.BufferOutputStream()
-    pq.write_table(manifest_table(rows), sink, compression="zstd", compression_level=3, write_statistics=True,
+    pq.write_table(manifest, sink, compression="zstd", compression_level=3, write_statistics=True,
                    row_group_size=1 << 20)
     return sink.getvalue().to_pybytes()

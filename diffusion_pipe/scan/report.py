@@ -13,73 +13,104 @@ datasets, extra copies, how many were excluded), ignored_files (neither media no
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from diffusion_pipe.scan.manifest import DatasetSpec, Row
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from diffusion_pipe.scan.manifest import DatasetSpec
 
 _EXAMPLES = 5  # paths listed per reason / duplicate group, enough to find the problem without a huge report
 
 
-def _counts(rows: Sequence[Row]) -> dict[str, Any]:
-    ok = [r for r in rows if r.status == "ok"]
+def _tally(values: pa.ChunkedArray | pa.Array) -> dict[str, int]:
+    """{value: count}, sorted by value."""
+    counts = pc.value_counts(values)
+    return dict(sorted(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist())))
+
+
+def _sum(values) -> int:
+    return int(pc.sum(values).as_py() or 0)
+
+
+def _counts(rows: pa.Table) -> dict[str, Any]:
+    """The counts of a final rows table (manifest.ROWS_SCHEMA, after `mark_duplicates`), computed on its columns."""
+    rows = rows.select(["media", "status", "reason", "caption_missing", "caption_source", "split", "buckets",
+                        "frame_starts", "caption_variants", "repeats"])
+    is_ok = pc.equal(rows["status"], "ok")
+    ok = rows.filter(is_ok)
+    ok_videos = ok.filter(pc.equal(ok["media"], "video"))
+    ok_train = ok.filter(pc.equal(ok["split"], "train"))
+    windows = pc.list_value_length(ok_train["frame_starts"])
     return {
-        "items": len(rows),
-        "images": sum(r.media == "image" for r in rows),
-        "videos": sum(r.media == "video" for r in rows),
-        "ok": len(ok),
-        "excluded": len(rows) - len(ok),
-        "excluded_by_reason": dict(sorted(Counter(r.reason for r in rows if r.status != "ok").items())),
-        "missing_captions": sum(r.caption_missing for r in rows),
-        "caption_sources": dict(sorted(Counter(r.caption_source for r in ok).items())),
-        "split": {"train": sum(r.split == "train" for r in ok), "eval": sum(r.split == "eval" for r in ok)},
-        "buckets": dict(sorted(Counter(b for r in ok for b in r.buckets).items())),
+        "items": rows.num_rows,
+        "images": _sum(pc.equal(rows["media"], "image")),
+        "videos": _sum(pc.equal(rows["media"], "video")),
+        "ok": ok.num_rows,
+        "excluded": rows.num_rows - ok.num_rows,
+        "excluded_by_reason": _tally(rows["reason"].filter(pc.invert(is_ok))),
+        "missing_captions": _sum(rows["caption_missing"]),
+        "caption_sources": _tally(ok["caption_source"]),
+        "split": {"train": ok_train.num_rows, "eval": ok.num_rows - ok_train.num_rows},
+        "buckets": _tally(pc.list_flatten(ok["buckets"])),
         # Windows the ok videos train as (scan.datasets[].frame_extraction; 1 a video unless `windows`).
-        "video_windows": sum(len(r.frame_starts) for r in ok if r.media == "video"),
-        "tag_orders": sum(len(r.caption_variants) for r in ok),  # scan.datasets[].shuffle_tags
+        "video_windows": _sum(pc.list_value_length(ok_videos["frame_starts"])),
+        "tag_orders": _sum(pc.list_value_length(ok["caption_variants"])),  # scan.datasets[].shuffle_tags
         # Samples one epoch draws: each ok item once per bucket (and window) it trains at, times its repeats.
-        "samples_per_epoch": sum(r.repeats * len(r.buckets) * len(r.frame_starts) for r in ok if r.split == "train"),
+        "samples_per_epoch": _sum(pc.multiply(pc.multiply(ok_train["repeats"].cast(pa.int64()),
+                                                          pc.list_value_length(ok_train["buckets"])), windows)),
     }
 
 
-def duplicate_groups(rows: Sequence[Row]) -> list[list[str]]:
+def duplicate_groups(rows: pa.Table) -> list[list[str]]:
     """Groups of 'dataset/path' with identical bytes (2+ members, sorted); empty files are not duplicates."""
+    hashed = rows.filter(pc.and_(pc.not_equal(rows["content_hash"], ""), pc.greater(rows["size_bytes"], 0)))
+    counts = pc.value_counts(hashed["content_hash"])
+    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
     by_hash: dict[str, list[str]] = defaultdict(list)
-    for r in rows:
-        if r.content_hash and r.size_bytes > 0:
-            by_hash[r.content_hash].append(f"{r.dataset}/{r.path}")
-    return sorted(sorted(g) for g in by_hash.values() if len(g) > 1)
+    copies = hashed.filter(pc.is_in(hashed["content_hash"], value_set=repeated))
+    for h, dataset, path in zip(*(copies[n].to_pylist() for n in ("content_hash", "dataset", "path"))):
+        by_hash[h].append(f"{dataset}/{path}")
+    return sorted(sorted(g) for g in by_hash.values())
 
 
 def build_report(
-    rows: Sequence[Row],
+    rows: pa.Table,
     specs: Sequence[DatasetSpec],
     ignored_files: dict[str, int],
     warnings: Sequence[str],
     run: dict[str, Any],
 ) -> dict[str, Any]:
-    """Everything a user wants counted about a scan; `run` (timings, cache hits) is the only varying part."""
+    """Everything a user wants counted about a scan of final rows (manifest order, duplicates marked); `run`
+    (timings, cache hits) is the only varying part."""
     report: dict[str, Any] = _counts(rows)
+    counted = tuple(report)
+    excluded = rows.filter(pc.not_equal(rows["status"], "ok"))
     examples: dict[str, list[str]] = defaultdict(list)
-    for r in rows:
-        if r.status != "ok" and len(examples[r.reason]) < _EXAMPLES:
-            examples[r.reason].append(f"{r.dataset}/{r.path}" + (f" ({r.detail})" if r.detail else ""))
+    first = []
+    for dataset, path, reason, detail in zip(*(excluded[n].to_pylist() for n in ("dataset", "path", "reason",
+                                                                                  "detail"))):
+        if len(examples[reason]) < _EXAMPLES:
+            examples[reason].append(f"{dataset}/{path}" + (f" ({detail})" if detail else ""))
+        if len(first) < _EXAMPLES:
+            first.append({"path": f"{dataset}/{path}", "reason": reason, "detail": detail})
     report["excluded_examples"] = dict(sorted(examples.items()))
-    report["excluded_first"] = [{"path": f"{r.dataset}/{r.path}", "reason": r.reason, "detail": r.detail}
-                                for r in [r for r in rows if r.status != "ok"][:_EXAMPLES]]
+    report["excluded_first"] = first
     groups = duplicate_groups(rows)
     report["duplicates"] = {
         "groups": len(groups),
         "extra_copies": sum(len(g) - 1 for g in groups),
-        "excluded": sum(r.reason == "duplicate" for r in rows),
+        "excluded": _sum(pc.equal(rows["reason"], "duplicate")),
         "examples": groups[:_EXAMPLES],
     }
     report["datasets"] = {}
     all_warnings = list(warnings)
     for spec in specs:
-        ds_rows = [r for r in rows if r.dataset == spec.name]
-        counts = _counts(ds_rows)
+        # one dataset: its counts are the top level's
+        counts = dict(report) if len(specs) == 1 else _counts(rows.filter(pc.equal(rows["dataset"], spec.name)))
+        counts = {k: counts[k] for k in counted}
         counts.update(path=spec.params.path, repeats=spec.params.repeats, eval_fraction=spec.params.eval_fraction,
                       loss_weight=spec.params.loss_weight, ignored_files=ignored_files.get(spec.name, 0))
         report["datasets"][spec.name] = counts

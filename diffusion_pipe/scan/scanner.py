@@ -1,12 +1,21 @@
-"""The scan: list every dataset, probe what changed (in a process pool), build rows, write manifest and report."""
+"""The scan: list every dataset, probe what changed (in a process pool), build rows, write manifest and report.
+
+Rows are built for every item on a first scan; a rescan that finds the last successful scan's rows (snapshot.py)
+made under the same params and code from the listing the stat cache holds rebuilds only the rows of the items
+whose stem (`manifest.item_stem`: the media file, its caption, its control image) has a file that changed,
+appeared, went or can't be stat'ed, and takes the others from that scan. Duplicates (rule 5), the caption check
+and the report are computed on the whole table either way, so both give the same manifest bytes
+(tests/scan/test_incremental.py)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -15,14 +24,15 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.params import ScanParams
 from diffusion_pipe.scan.buckets import bucket_layout, rounding_note
-from diffusion_pipe.scan.cache import ENVIRONMENT_REASONS, CacheEntry, CacheKey, load_cache, save_cache
+from diffusion_pipe.scan.cache import ENVIRONMENT_REASONS, CacheKey, StatCache, load_cache, rows_mask, save_cache
 from diffusion_pipe.scan.captions import CaptionRead
 from diffusion_pipe.scan.errors import ScanError
-from diffusion_pipe.scan.files import Listing, list_dataset
-from diffusion_pipe.scan.manifest import DatasetSpec, Row, build_rows, manifest_bytes
+from diffusion_pipe.scan.files import Listing, StatKey, list_dataset
+from diffusion_pipe.scan.manifest import (ROWS_SCHEMA, DatasetSpec, Row, build_rows, item_stem, manifest_bytes,
+                                          mark_duplicates, rows_table, sort_rows, table_rows)
 from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS, Probe, Task, probe_batch
 from diffusion_pipe.scan.report import build_report, summary_lines
-from diffusion_pipe.scan.snapshot import Snapshot, fingerprint
+from diffusion_pipe.scan.snapshot import Snapshot, fingerprint, inputs_key
 
 _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
 _SHOWN = 5  # paths named in a ScanError
@@ -116,7 +126,9 @@ def scan_datasets(
     """
     start = time.perf_counter()
     specs, listings, controls = _list_datasets(params)
-    return _scan_listed(params, specs, listings, controls, cache_path, progress, start)
+    scan = _scan_listed(params, specs, listings, controls, load_cache(cache_path, _limits(params)), cache_path,
+                        None, progress, start)
+    return table_rows(scan.final), scan.report
 
 
 def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing], list[Listing | None]]:
@@ -133,57 +145,66 @@ def _list_datasets(params: ScanParams) -> tuple[list[DatasetSpec], list[Listing]
 _CONTROL = "control"
 
 
-def _probe_entries(spec: DatasetSpec, listing: Listing, control: Listing | None):
-    """(cache key, entry) of every stat'ed file of a dataset and of its control directory's images."""
-    for e in listing.entries:
-        if e.stat_key is not None:
-            yield (spec.name, e.rel, e.kind), e
-    for e in control.entries if control is not None else ():
-        if e.stat_key is not None and e.kind == "media":
-            yield (spec.name, e.rel, _CONTROL), e
+def _listed(listing: Listing, control: Listing | None) -> list[tuple[Listing, list[str]]]:
+    """A dataset's listings with the cache kind of each of their files: the dataset's own (media, caption), then
+    its control directory's (control for its images, '' for what is not probed there)."""
+    if control is None:
+        return [(listing, listing.kinds)]
+    return [(listing, listing.kinds), (control, [_CONTROL if kind == "media" else "" for kind in control.kinds])]
+
+
+@dataclass
+class _Scanned:
+    rows: Any  # pa.Table of manifest.ROWS_SCHEMA, before duplicates are marked (what a later scan patches)
+    final: Any  # the same, duplicates marked: the manifest's rows
+    report: dict[str, Any]
+    cache_digest: str  # of the stat cache as this scan left it
 
 
 def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Listing],
-                 controls: list[Listing | None], cache_path: Path | None, progress: bool,
-                 start: float) -> tuple[list[Row], dict[str, Any]]:
-    cache = load_cache(cache_path, _limits(params))
+                 controls: list[Listing | None], cache: StatCache, cache_path: Path | None, base: Any,
+                 progress: bool, start: float) -> _Scanned:
+    """Probe the files whose stat key is not the cache's, then build the rows: all of them, or with `base` (the
+    rows of the scan that left the cache as it is, under the same params and code) only those of the items
+    around a changed file, the rest taken from `base`."""
+    import pyarrow.compute as pc
 
-    known: dict[CacheKey, CacheEntry] = {}
-    todo: list[tuple[CacheKey, Task]] = []
-    stat_keys = {}
+    hits: list[int] = []  # cache rows of the files unchanged since
+    todo: list[tuple[CacheKey, Task, StatKey]] = []
+    matched: list[tuple[DatasetSpec, Listing, list[str], list[int | None]]] = []
     for spec, listing, control in zip(specs, listings, controls):
-        for key, e in _probe_entries(spec, listing, control):
-            stat_keys[key] = e.stat_key
-            hit = cache.get(key)
-            if hit is not None and hit[0] == e.stat_key:
-                known[key] = hit
-            else:
-                todo.append((key, Task("media" if e.kind == "media" else "caption", e.path)))
-    cached = len(known)
+        for lst, kinds in _listed(listing, control):
+            rows = cache.match(spec.name, kinds, lst.rels, lst.stats)
+            matched.append((spec, lst, kinds, rows))
+            hits.extend(row for row in rows if row is not None)
+            prefix = os.path.join(lst.root, "")
+            todo.extend(((spec.name, lst.rels[i], kinds[i]),
+                         Task("caption" if kinds[i] == "caption" else "media", prefix + lst.rels[i]), lst.stats[i])
+                        for i, row in enumerate(rows) if row is None and kinds[i] and lst.stats[i] is not None)
     workers = _workers(params)
-    probed = probe_all([t for _, t in todo], workers, params.image_pixel_limit, progress, params.max_caption_bytes)
-    for (key, _), result in zip(todo, probed):
-        stat_key = stat_keys[key]
-        assert stat_key is not None
-        known[key] = (stat_key, result)
-    if cache_path is not None and (todo or known.keys() != cache.keys()):
+    probed = dict(zip([key for key, _, _ in todo],
+                      probe_all([t for _, t, _ in todo], workers, params.image_pixel_limit, progress,
+                                params.max_caption_bytes)))
+    digest, unchanged = cache.digest, rows_mask(len(cache), hits)
+    if cache_path is not None and (todo or len(hits) != len(cache)):
         # Rewritten only when something changed: an unchanged rescan of 100k files writes nothing.
-        save_cache(cache_path, known, _limits(params))
+        digest = save_cache(cache_path, cache, unchanged, {key: (st, probed[key]) for key, _, st in todo},
+                            _limits(params))
 
-    by_dataset: dict[str, dict[str, Probe | CaptionRead]] = {spec.name: {} for spec in specs}
-    control_probes: dict[str, dict[str, Probe]] = {spec.name: {} for spec in specs}
-    for (name, rel, kind), (_, result) in known.items():
-        if kind == _CONTROL:
-            assert isinstance(result, Probe), rel
-            control_probes[name][rel] = result
-        else:
-            by_dataset[name][rel] = result
-    rows: list[Row] = []
-    for spec, listing, control in zip(specs, listings, controls):
-        rows.extend(build_rows(spec, listing.entries, by_dataset[spec.name],
-                               control.entries if control is not None else (), control_probes[spec.name]))
-    rows.sort(key=lambda r: (r.dataset, r.path))
-    _check_captions(rows, specs)
+    if base is None:
+        results = dict(probed)
+        for spec, lst, kinds, rows in matched:
+            at = [i for i, row in enumerate(rows) if row is not None]
+            results.update(zip([(spec.name, lst.rels[i], kinds[i]) for i in at], cache.results([rows[i] for i in at])))
+        table = rows_table([r for spec, listing, control in zip(specs, listings, controls)
+                            for r in _build(spec, listing, control, range(len(listing.rels)),
+                                            range(len(control.rels)) if control is not None else (), results)])
+        rebuilt = table.num_rows
+    else:
+        gone = cache.keys(pc.indices_nonzero(pc.invert(unchanged)).to_pylist())  # changed or removed since
+        table, rebuilt = _patch(base, specs, listings, controls, set(probed) | set(gone), matched, cache, probed)
+    final = mark_duplicates(table)
+    _check_captions(final, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
     warnings += [f"dataset {spec.name} control: {w}" for spec, lst in zip(specs, controls) if lst is not None
@@ -191,19 +212,85 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
     warnings += [f"dataset {spec.name}: {note}" for spec in specs
                  for res, layout in zip(spec.params.resolutions, spec.layouts)
                  if (note := rounding_note(res, params.bucket_step, layout))]
-    run = {"files_probed": len(todo), "files_cached": cached, "workers": workers, "reused_last_scan": False,
-           "seconds": round(time.perf_counter() - start, 3)}
+    run = {"files_probed": len(todo), "files_cached": len(hits), "rows_rebuilt": rebuilt, "workers": workers,
+           "reused_last_scan": False, "seconds": round(time.perf_counter() - start, 3)}
     ignored = {spec.name: lst.ignored_files for spec, lst in zip(specs, listings)}
-    return rows, build_report(rows, specs, ignored, warnings, run)
+    return _Scanned(table, final, build_report(final, specs, ignored, warnings, run), digest)
 
 
-def _check_captions(rows: Sequence[Row], specs: Sequence[DatasetSpec]) -> None:
+def _build(spec: DatasetSpec, listing: Listing, control: Listing | None, chosen, chosen_control,
+           results: dict[CacheKey, Probe | CaptionRead]) -> list[Row]:
+    """The rows of the items among the `chosen` files of a dataset's listing (indices), with the `chosen_control`
+    files of its control listing; `results` holds the probe result of each of them that was stat'ed."""
+    entries = [listing.entry(i) for i in chosen]
+    control_entries = [control.entry(i) for i in chosen_control] if control is not None else []
+    by_rel = {e.rel: results[(spec.name, e.rel, e.kind)] for e in entries if e.stat_key is not None}
+    by_control = {e.rel: results[(spec.name, e.rel, _CONTROL)] for e in control_entries
+                  if e.stat_key is not None and e.kind == "media"}
+    return build_rows(spec, entries, by_rel, control_entries, by_control)
+
+
+def _with_stems(listing: Listing, stems: set[str]) -> list[int]:
+    """The indices of the files of `listing` (sorted by path) whose `item_stem` is one of `stems`."""
+    out = set()
+    for stem in stems:
+        prefix = stem + "."
+        i = bisect.bisect_left(listing.rels, prefix)
+        while i < len(listing.rels) and listing.rels[i].startswith(prefix):
+            if item_stem(listing.rels[i]) == stem:  # not 'a.b.png' for 'a'
+                out.add(i)
+            i += 1
+    return sorted(out)
+
+
+def _patch(base: Any, specs: list[DatasetSpec], listings: list[Listing], controls: list[Listing | None],
+           changed: set[CacheKey], matched: list, cache: StatCache,
+           probed: dict[CacheKey, Probe | CaptionRead]) -> tuple[Any, int]:
+    """`base` with the rows of every item whose stem (its media file, caption or control image) has a changed,
+    new, removed or unreadable file rebuilt, and the rows of removed items dropped; (rows, rows rebuilt)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    dirty: dict[str, set[str]] = {spec.name: set() for spec in specs}
+    for name, rel, _ in changed:
+        if name in dirty:
+            dirty[name].add(item_stem(rel))
+    cached = {id(lst): rows for _, lst, _, rows in matched}  # each listing's cache rows (None: not a hit)
+    new_rows: list[Row] = []
+    drop = rows_mask(base.num_rows, [])
+    for spec, listing, control in zip(specs, listings, controls):
+        stems = dirty[spec.name]
+        for lst, _ in _listed(listing, control):
+            stems.update(item_stem(lst.rels[i]) for i in lst.problems)  # not stat'ed: never in the cache
+        chosen = _with_stems(listing, stems)
+        chosen_control = _with_stems(control, stems) if control is not None else []
+        results: dict[CacheKey, Probe | CaptionRead] = {}
+        for (lst, kinds), at in zip(_listed(listing, control), (chosen, chosen_control)):
+            stated = [i for i in at if kinds[i] and lst.stats[i] is not None]
+            keys = [(spec.name, lst.rels[i], kinds[i]) for i in stated]
+            from_cache = [(key, cached[id(lst)][i]) for key, i in zip(keys, stated) if key not in probed]
+            results.update(zip([key for key, _ in from_cache], cache.results([row for _, row in from_cache])))
+            results.update({key: probed[key] for key in keys if key in probed})
+        built = _build(spec, listing, control, chosen, chosen_control, results)
+        new_rows.extend(built)
+        media = pa.array(listing.rels, pa.string()).filter(pc.equal(pa.array(listing.kinds, pa.string()), "media"))
+        gone = pc.or_(pc.is_in(base["path"], value_set=pa.array([r.path for r in built], pa.string())),
+                      pc.invert(pc.is_in(base["path"], value_set=media)))
+        drop = pc.or_(drop, pc.and_(pc.equal(base["dataset"], spec.name), gone))
+    kept = pa.Table.from_arrays(base.filter(pc.invert(drop)).columns, schema=ROWS_SCHEMA)
+    return sort_rows(pa.concat_tables([kept, rows_table(new_rows)])), len(new_rows)
+
+
+def _check_captions(rows: Any, specs: Sequence[DatasetSpec]) -> None:
     """Raise one ScanError for every dataset with caption_policy 'error' that has items without a caption."""
+    import pyarrow.compute as pc
+
     problems = []
     for i, spec in enumerate(specs):
         if spec.params.caption_policy != "error":
             continue
-        missing = [r.path for r in rows if r.dataset == spec.name and r.reason == "missing_caption"]
+        missing = rows["path"].filter(pc.and_(pc.equal(rows["dataset"], spec.name),
+                                              pc.equal(rows["reason"], "missing_caption"))).to_pylist()
         if missing:
             shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
             problems.append(
@@ -221,22 +308,29 @@ def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, ca
 
     With a `cache_path`, a rescan in which no file's stat key (and no param) changed since the last successful
     scan reuses that scan's manifest bytes and report (see `snapshot.py`) after the walk; otherwise only the
-    files whose stat key changed are probed."""
+    files whose stat key changed are probed, and only the rows of the items around them are rebuilt."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     start = time.perf_counter()
     specs, listings, controls = _list_datasets(params)
     snapshot = Snapshot(cache_path) if cache_path is not None else None
+    inputs = inputs_key(params)
     key = fingerprint(params, specs, listings, controls) if snapshot is not None else ""
     last = snapshot.load(key) if snapshot is not None else None
     if last is not None:
         data, report = last
         files = sum(len(lst.stats) - len(lst.problems) for lst in [*listings, *controls] if lst is not None)
-        report["run"] = {"files_probed": 0, "files_cached": files, "workers": _workers(params),
+        report["run"] = {"files_probed": 0, "files_cached": files, "rows_rebuilt": 0, "workers": _workers(params),
                          "reused_last_scan": True, "seconds": round(time.perf_counter() - start, 3)}
     else:
-        rows, report = _scan_listed(params, specs, listings, controls, cache_path, True, start)
-        data = manifest_bytes(rows)
-        if snapshot is not None and not any(r.reason in ENVIRONMENT_REASONS for r in rows):
-            snapshot.save(key, data, report)
+        cache = load_cache(cache_path, _limits(params))
+        base = snapshot.rows(inputs, cache.digest) if snapshot is not None else None
+        scan = _scan_listed(params, specs, listings, controls, cache, cache_path, base, True, start)
+        data, report = manifest_bytes(scan.final), scan.report
+        environment = pc.is_in(scan.final["reason"], value_set=pa.array(sorted(ENVIRONMENT_REASONS)))
+        if snapshot is not None and not pc.any(environment).as_py():
+            snapshot.save(key, inputs, scan.cache_digest, data, scan.rows, report)
     write_bytes_atomic(manifest_path, data)
     write_json_atomic(report_path, report)
     for line in summary_lines(report, str(manifest_path), str(report_path)):
