@@ -117,3 +117,17 @@ def test_other_params_rebuild_every_row(tmp_path, world):
                       workers=1)
     report = _rescan_equals_a_fresh_scan(tmp_path, more, rebuilt=14)
     assert report["run"]["files_probed"] == 0
+
+
+def test_copies_in_other_datasets_all_train(tmp_path):
+    """Rule 5 is per dataset: the same bytes in two datasets are one duplicate group, and both rows train."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_image(a / "x.png", caption="in a")
+    make_image(b / "y.png", caption="in b")  # the same pixels, the same bytes
+    make_image(b / "z.png", caption="a copy within b")
+    params = ScanParams(datasets=(DatasetParams(path=str(a)), DatasetParams(path=str(b))), workers=1)
+    report, _ = _scan(tmp_path / "out", params)
+    assert report["duplicates"]["groups"] == 1 and report["duplicates"]["extra_copies"] == 2
+    assert report["datasets"]["a"]["ok"] == 1 and report["datasets"]["b"]["ok"] == 1
+    assert report["duplicates"]["excluded"] == 1 and report["excluded_examples"]["duplicate"] == \
+        ["b/z.png (same content as y.png)"]
