@@ -87,6 +87,25 @@ REAL: dict[str, dict] = {
                     "text_encoder": {"hidden_size": 3584}, "text_encoder_2": {"d_model": 1472}},
         "media": (832, 480, 33), "text_len": 256,
     },
+    "hidream": {  # HiDream-ai/HiDream-I1-Full, 17B (Dev and Fast share the shape): 16 double-stream and 32
+        # single-stream blocks, each with a mixture of 4 routed experts (2 per token) and a shared one
+        "transformer": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, num_single_layers=32,
+                            attention_head_dim=128, num_attention_heads=20, caption_channels=[4096, 4096],
+                            text_emb_dim=2048, num_routed_experts=4, num_activated_experts=2,
+                            axes_dims_rope=(64, 32, 32), max_resolution=(128, 128),
+                            llama_layers=[*range(32), *[31] * 16]),
+        "configs": {"vae": {**_FLUX_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159},
+                    "text_encoder_4": {"hidden_size": 4096, "num_hidden_layers": 32}},  # Llama 3.1 8B Instruct
+        "media": (1024, 1024, 1), "text_len": 128,
+    },
+    "hunyuan_image": {  # hunyuanvideo-community/HunyuanImage-2.1-Diffusers (the base model), about 17B
+        "transformer": dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128,
+                            num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0,
+                            patch_size=(1, 1), qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584,
+                            text_embed_2_dim=1472, rope_theta=256.0, rope_axes_dim=(64, 64), use_meanflow=False),
+        "configs": {"vae": {"latent_channels": 64, "spatial_compression_ratio": 32, "scaling_factor": 0.75289}},
+        "media": (2048, 2048, 1), "text_len": 256,
+    },
     "ltx": {  # Lightricks/LTX-Video (0.9.x, 2B)
         "transformer": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
                             attention_head_dim=64, cross_attention_dim=2048, num_layers=28,

@@ -20,6 +20,8 @@ REGISTRY: dict[str, str] = {
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2_klein": "diffusion_pipe.models.flux2_klein:Flux2KleinAdapter",
     "flux_kontext": "diffusion_pipe.models.flux_kontext:FluxKontextAdapter",
+    "hidream": "diffusion_pipe.models.hidream:HiDreamAdapter",
+    "hunyuan_image": "diffusion_pipe.models.hunyuan_image:HunyuanImageAdapter",
     "hunyuan_video": "diffusion_pipe.models.hunyuan_video:HunyuanVideoAdapter",
     "hunyuan_video15": "diffusion_pipe.models.hunyuan_video15:HunyuanVideo15Adapter",
     "krea2": "diffusion_pipe.models.krea2:Krea2Adapter",
