@@ -121,6 +121,33 @@ def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots:
     return out
 
 
+@dataclass(frozen=True)
+class TextSource:
+    """What one text entry is encoded from: its caption, and for a family whose text encoder reads the sample's
+    conditioning image (`capabilities.text_reads_conditioning`) that image, the first frame of `image` at its
+    bucket."""
+
+    caption: str
+    image: LatentSource | None = None
+
+
+def text_sources(samples: list[Sample], roots: dict[str, Path], control_roots: dict[str, Path],
+                 reads_image: bool) -> dict[str, TextSource]:
+    """Every text key the samples train on (their captions' and tag orders'), each with what it is encoded from:
+    with `reads_image`, the sample's first control image, or its own (window's) first frame."""
+    out: dict[str, TextSource] = {}
+    for s in samples:
+        image = None
+        if reads_image:
+            image = (LatentSource("", control_roots[s.dataset] / s.control_paths[0], "image", s.bucket)
+                     if s.control_paths else
+                     LatentSource("", roots[s.dataset] / s.path, s.media, s.bucket, s.frame_start))
+        out.setdefault(s.text_key, TextSource(s.caption, image))
+        for key, text in zip(s.variant_keys, s.caption_variants):
+            out.setdefault(key, TextSource(text, image))
+    return out
+
+
 def check_conditioning(row: dict, adapter: Adapter) -> None:
     """An item has as many control images as the family trains on per sample (the scan already excluded items
     whose control image is missing or unusable); else a ConfigError naming the dataset param to fix."""
@@ -141,16 +168,33 @@ def check_conditioning(row: dict, adapter: Adapter) -> None:
                       "pairs; set `control` on the dataset to the directory of its control images")
 
 
-def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
-                      captions: tuple[str, ...]) -> dict[str, str]:
-    """The text key of each caption (or sample prompt, or tag order): what `plan_samples` keys captions with."""
+def text_keyer(adapter: Adapter, model: ModelParams, max_length: int) -> Callable[..., str]:
+    """The text key of a caption (or sample prompt, or tag order), and of an image the family's text encoder
+    reads with it (`text_image`), under this model: what `plan_samples` keys texts with."""
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
     encoder_hashes = {name: component_hash(d) for name, d in encoder_dirs.items()}
     tokenizer_hashes = {name: tokenizer_hash(d) for name, d in tokenizer_dirs.items()}
     template = adapter.text_template()
-    return {c: text_key(caption=c, template=template, encoder_hashes=encoder_hashes,
-                        tokenizer_hashes=tokenizer_hashes, max_length=max_length, dtype=model.dtype)
-            for c in captions}
+
+    def key(caption: str, image: dict | None = None) -> str:
+        return text_key(caption=caption, template=template, encoder_hashes=encoder_hashes,
+                        tokenizer_hashes=tokenizer_hashes, max_length=max_length, dtype=model.dtype, image=image)
+
+    return key
+
+
+def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
+                      captions: tuple[str, ...]) -> dict[str, str]:
+    """The text key of each caption read alone (no image)."""
+    key = text_keyer(adapter, model, max_length)
+    return {c: key(c) for c in captions}
+
+
+def text_image(content_hash: str, bucket: str, media: str, start: int = 0) -> dict:
+    """The `image` part of a text key: the pixels a family with `text_reads_conditioning` reads with a caption,
+    a control image's or a clip window's first frame, cover-cropped to the sample's bucket."""
+    return {"content_hash": content_hash, "bucket": bucket, "resize": RESIZE_SPEC,
+            "frames": frames_spec(media, 1, start)}
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:
@@ -160,8 +204,9 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     multiple = adapter.pixel_multiple
     rule = adapter.capabilities.conditioning_rule
     rows = [row for row in manifest.to_pylist() if row["status"] == "ok"]
-    texts = caption_text_keys(adapter, model, encode.text_max_length, tuple(
-        {c: None for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}))
+    text_key_of = text_keyer(adapter, model, encode.text_max_length)
+    texts = {c: text_key_of(c) for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}
+    reads_image = adapter.capabilities.text_reads_conditioning
     samples = []
     for row in rows:
         check_conditioning(row, adapter)
@@ -190,6 +235,11 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                     vae_hash=vae_hash, vae_dtype=model.dtype,
                                     frames=conditioning_frames(adapter, row["media"], frames, start)),
                          ) if own_first_frame else controls
+                if reads_image:  # the text entries read the sample's first conditioning image: one per image
+                    image = (text_image(row["control_hashes"][0], bucket, "image") if controls else
+                             text_image(row["content_hash"], bucket, row["media"], start))
+                    tkey = text_key_of(row["caption"], image)
+                    vkeys = tuple(text_key_of(c, image) for c in row.get("caption_variants") or ())
                 samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
                                       row["content_hash"], row["caption"], lkey, tkey, row["media"],
                                       tuple(row.get("control_paths") or ()), ckeys, start, stride,
@@ -211,18 +261,20 @@ def conditioning_frames(adapter: Adapter, media: str, frames: int, start: int = 
 class _PixelSet(torch.utils.data.Dataset):
     """Decodes and resizes media in DataLoader workers, overlapping with the encoder."""
 
-    def __init__(self, sources: list[LatentSource]) -> None:
+    def __init__(self, sources: list[LatentSource], first_frames: bool = False) -> None:
         self.sources = sources
+        self.first_frames = first_frames
 
     def __len__(self) -> int:
         return len(self.sources)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, frames, height, width) uint8; the encoding process scales it to [-1, 1] on its device. A source
-        made by the family's conditioning rule loads its first frame only (the rule adds the rest)."""
+        made by the family's conditioning rule loads its first frame only (the rule adds the rest), as do all
+        with `first_frames` (the images text encoders read)."""
         s = self.sources[i]
         width, height, frames = parse_bucket(s.bucket)
-        if s.condition_frames:
+        if s.condition_frames or self.first_frames:
             frames = 1
         return load_pixels_uint8(s.path, s.media, width, height, frames, s.frame_start, s.frame_stride)
 
@@ -307,22 +359,37 @@ def _encode_latents(adapter: Adapter, todo: list[LatentSource], store: Store, en
     return written, packs, time.perf_counter() - started
 
 
-def _encode_texts(adapter: Adapter, todo: dict[str, str], store: Store, encode: EncodeParams,
+def _encode_texts(adapter: Adapter, todo: dict[str, TextSource], store: Store, encode: EncodeParams,
                   device: torch.device) -> tuple[int, list[str], float]:
-    """Compute and publish the text embeddings of `todo` (key -> caption); returns (entries, pack ids, seconds
-    spent encoding and writing)."""
+    """Compute and publish the text embeddings of `todo` (key -> what it is encoded from); returns (entries, pack
+    ids, seconds spent encoding and writing). Texts read with an image are batched by the image's bucket, their
+    images decoded in DataLoader workers as latents' are."""
     encoders = adapter.load_text_encoders(device)
     started = time.perf_counter()
-    keys = sorted(todo)
+    alone = sorted(k for k, t in todo.items() if t.image is None)
+    with_image = sorted((k for k, t in todo.items() if t.image is not None), key=lambda k: (todo[k].image.bucket, k))
 
     def batches():
-        for i in range(0, len(keys), encode.batch_size):
-            chunk = keys[i:i + encode.batch_size]
+        for i in range(0, len(alone), encode.batch_size):
+            chunk = alone[i:i + encode.batch_size]
             with torch.no_grad():
-                entries = adapter.encode_text(encoders, [todo[k] for k in chunk], encode.text_max_length)
+                entries = adapter.encode_text(encoders, [todo[k].caption for k in chunk], encode.text_max_length)
             yield list(zip(chunk, entries))
+        images = [todo[k].image for k in with_image]
+        loader = torch.utils.data.DataLoader(
+            _PixelSet(images, first_frames=True), batch_sampler=_batches_by_bucket(images, encode.batch_size),
+            num_workers=encode.workers if images else 0, prefetch_factor=4 if encode.workers and images else None)
+        done = 0
+        for pixels_uint8 in loader:
+            chunk = with_image[done:done + len(pixels_uint8)]
+            with torch.no_grad():
+                entries = adapter.encode_conditioned_text(encoders, [todo[k].caption for k in chunk],
+                                                          to_unit_range(pixels_uint8.to(device)),
+                                                          encode.text_max_length)
+            yield list(zip(chunk, entries))
+            done += len(chunk)
 
-    written, packs = _publish(store, "text", encode, batches(), len(keys), "encode text", "caption")
+    written, packs = _publish(store, "text", encode, batches(), len(todo), "encode text", "caption")
     return written, packs, time.perf_counter() - started
 
 
@@ -440,8 +507,14 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     """
     started = time.perf_counter()
     workers = workers or WorkerLayout.from_env()
-    manifest = pq.read_table(manifest_path)
     adapter = load_adapter(model)
+    if caption_dropout and adapter.capabilities.text_reads_conditioning:
+        raise ConfigError(f"train.caption_dropout: family '{adapter.name}' reads each caption with its control image, "
+                          "so a dropped caption would need an empty-caption entry per image, which is not made yet; "
+                          "set train.caption_dropout to 0")
+    if sample_prompts:
+        adapter.pipeline_class()  # a family that cannot render samples says so before anything is encoded
+    manifest = pq.read_table(manifest_path)
     samples = plan_samples(manifest, adapter, model, encode)
     roots = {d.manifest_name: Path(d.path) for d in scan.datasets}
     control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
@@ -449,12 +522,11 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     remote = resolve_remote(encode.remote, repo_root)
 
     sources = latent_sources(samples, roots, control_roots)
-    captions = {s.text_key: s.caption for s in samples}
-    captions |= {k: text for s in samples for k, text in zip(s.variant_keys, s.caption_variants)}
+    captions = text_sources(samples, roots, control_roots, adapter.capabilities.text_reads_conditioning)
     empty = {""} if caption_dropout else set()  # the caption that dropped samples take
     prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)} | empty)
-    captions |= {key: text for text, key in caption_text_keys(adapter, model, encode.text_max_length,
-                                                               prompt_texts).items()}
+    captions |= {key: TextSource(text) for text, key in caption_text_keys(adapter, model, encode.text_max_length,
+                                                                          prompt_texts).items()}
     wanted = {"latent": sorted(sources), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}

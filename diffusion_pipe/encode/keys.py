@@ -56,12 +56,16 @@ def text_key(
     tokenizer_hashes: dict[str, str],
     max_length: int,
     dtype: str,
+    image: dict[str, Any] | None = None,
 ) -> str:
     """Key of one caption's text embeddings.
 
     `caption` is the text exactly as fed to the encoders (after any caption processing); `template` the
     prompt template/prefix; `encoder_hashes` and `tokenizer_hashes` map each encoder's role (e.g. "clip", "t5")
-    to its component / tokenizer hash; `max_length` the token length; `dtype` the encoders' dtype.
+    to its component / tokenizer hash; `max_length` the token length; `dtype` the encoders' dtype. `image` names
+    the pixels the encoders also read, for families whose text encoder sees the sample's conditioning image
+    (Qwen-Image-Edit): its content hash, size and resize rule. None (no image) leaves it out of the key, so the
+    keys of every other family are what they were.
     """
     return hash_json(
         {
@@ -73,5 +77,6 @@ def text_key(
             "tokenizer_hashes": tokenizer_hashes,
             "max_length": max_length,
             "dtype": dtype,
+            **({"image": image} if image is not None else {}),
         }
     )

@@ -28,6 +28,7 @@ REGISTRY: dict[str, str] = {
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "lumina2": "diffusion_pipe.models.lumina2:Lumina2Adapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
+    "qwenimage_edit": "diffusion_pipe.models.qwenimage_edit:QwenImageEditAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
     "skyreels_v2": "diffusion_pipe.models.skyreels_v2:SkyReelsV2Adapter",

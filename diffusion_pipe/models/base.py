@@ -40,6 +40,10 @@ class Capabilities:
     # the VAE encodes (Wan I2V: the frame followed by black frames to the target's length); the first frame is
     # the dataset's control image where it declares one, else the clip's own (its window's) first frame.
     conditioning_rule: str = ""
+    # Whether the text encoder reads the sample's conditioning image with its caption (Qwen-Image-Edit's VL
+    # encoder sees the image to edit): text entries are then per (caption, image), keyed by both, and made by
+    # `Adapter.encode_conditioned_text`.
+    text_reads_conditioning: bool = False
 
     @property
     def all_objectives(self) -> tuple[str, ...]:
@@ -130,6 +134,12 @@ class Adapter(ABC):
     @abstractmethod
     def encode_text(self, encoders: object, captions: list[str], max_length: int) -> list[TensorDict]:
         """Text conditioning, one entry per caption."""
+
+    def encode_conditioned_text(self, encoders: object, captions: list[str], images_BC1HW: torch.Tensor,
+                                max_length: int) -> list[TensorDict]:
+        """Text conditioning of each caption read with its image (pixels in [-1, 1], one per caption, at the
+        sample's size): families with `capabilities.text_reads_conditioning`."""
+        raise NotImplementedError(f"family '{self.name}' encodes captions without an image")
 
     @abstractmethod
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:

@@ -141,23 +141,26 @@ def save_tiny_tokenizers(out_dir: Path, corpus: Sequence[str] = TOKENIZER_CORPUS
 QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
-def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: str | None = None) -> object:
+def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: str | None = None,
+                             special_tokens: tuple[str, ...] = ()) -> object:
     """A byte-level BPE trained on a few sentences and on `template` (the prompt template a pipeline wraps
     captions in, so its words become single tokens as in Qwen's real vocabulary, and a pipeline that drops the
-    template by token count drops exactly it), wrapped in `Qwen2Tokenizer` with the chat special tokens and
-    `chat_template`, saved to `out_dir`. Returns the tokenizer."""
+    template by token count drops exactly it), wrapped in `Qwen2Tokenizer` with the chat special tokens (and
+    `special_tokens`, e.g. a VL model's vision tokens) and `chat_template`, saved to `out_dir`. Returns the
+    tokenizer."""
     import tempfile
 
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
     text = template
-    for special in QWEN_SPECIAL_TOKENS:
+    specials = (*QWEN_SPECIAL_TOKENS, *special_tokens)
+    for special in specials:
         text = text.replace(special, "\n")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator([*TOKENIZER_CORPUS, text], trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<|endoftext|>", *QWEN_SPECIAL_TOKENS],
+        vocab_size=600, special_tokens=["<|endoftext|>", *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     ))
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +168,7 @@ def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: s
         merges = [tuple(line.split()) for line in Path(tmp, "merges.txt").read_text().splitlines()
                   if line and not line.startswith("#")]
     tokenizer = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=32768)
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS],
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials],
                          special_tokens=True)
     if chat_template is not None:
         tokenizer.chat_template = chat_template

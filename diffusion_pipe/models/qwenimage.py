@@ -29,8 +29,12 @@ def _text_pipeline(text_encoder: nn.Module | None = None, tokenizer: object | No
 
 class QwenImageEmbed(nn.Module):
     """First layer: embeds latent tokens, text and timestep, computes the rotary tables. The complex rotary
-    tables travel as real views (a stage boundary sends real tensors) and the text mask as integers.
-    Returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs)."""
+    tables travel as real views (a stage boundary sends real tensors) and the text mask as integers. `grid` holds
+    the (frames, height, width) of each image whose tokens `hidden` holds, in order (the target's, then an edit
+    model's control images'). With `zero_cond_t` (Qwen-Image-Edit-2511) the timestep embedding is computed for t
+    and for 0, and `modulate_index` marks the tokens (the control images') modulated by the second, as the
+    transformer's forward does; otherwise it is all zeros and unused.
+    Returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs, modulate_index)."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
@@ -39,45 +43,56 @@ class QwenImageEmbed(nn.Module):
         self.txt_in = transformer.txt_in
         self.time_text_embed = transformer.time_text_embed
         self.pos_embed = transformer.pos_embed
+        self.zero_cond_t = transformer.config.zero_cond_t
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, timesteps, text, text_mask, grid = inputs
         hidden = self.img_in(hidden)
-        temb = self.time_text_embed(timesteps.to(hidden.dtype), hidden)
+        timesteps = timesteps.to(hidden.dtype)
+        # the grids are the same for every item of a micro-batch (one bucket): take the first row
+        shapes = [tuple(g) for g in grid[0].tolist()]
+        counts = [f * h * w for f, h, w in shapes]
+        modulate_index = torch.cat([torch.full((n,), int(i > 0), dtype=torch.int32) for i, n in enumerate(counts)])
+        modulate_index = modulate_index.to(hidden.device).expand(hidden.shape[0], -1).contiguous()
+        if self.zero_cond_t:
+            timesteps = torch.cat((timesteps, timesteps * 0))
+        temb = self.time_text_embed(timesteps, hidden)
         encoder = self.txt_in(self.txt_norm(text))
-        # the latent grid is the same for every item of a micro-batch (one bucket): take the first row
-        frames, height, width = grid[0].tolist()
-        image_freqs, text_freqs = self.pos_embed([[(frames, height, width)]], max_txt_seq_len=text.shape[1],
-                                                 device=hidden.device)
+        image_freqs, text_freqs = self.pos_embed([shapes], max_txt_seq_len=text.shape[1], device=hidden.device)
         return (hidden, encoder, text_mask, temb, torch.view_as_real(image_freqs).contiguous(),
-                torch.view_as_real(text_freqs).contiguous())
+                torch.view_as_real(text_freqs).contiguous(), modulate_index)
 
 
 class QwenImageBlock(nn.Module):
-    """One double-stream block; takes and returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs)."""
+    """One double-stream block; takes and returns (hidden, encoder, text_mask, temb, image_freqs, text_freqs,
+    modulate_index)."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, encoder, text_mask, temb, image_freqs, text_freqs = inputs
+        hidden, encoder, text_mask, temb, image_freqs, text_freqs, modulate_index = inputs
         encoder, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=text_mask.bool(),
-            temb=temb, image_rotary_emb=(torch.view_as_complex(image_freqs), torch.view_as_complex(text_freqs)))
-        return hidden, encoder, text_mask, temb, image_freqs, text_freqs
+            temb=temb, image_rotary_emb=(torch.view_as_complex(image_freqs), torch.view_as_complex(text_freqs)),
+            modulate_index=modulate_index if self.block.zero_cond_t else None)
+        return hidden, encoder, text_mask, temb, image_freqs, text_freqs, modulate_index
 
 
 class QwenImageOut(nn.Module):
-    """Last layer: final adaptive norm and projection back to packed latent tokens."""
+    """Last layer: final adaptive norm (under t's embedding) and projection back to packed latent tokens."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
         self.norm_out = transformer.norm_out
         self.proj_out = transformer.proj_out
+        self.zero_cond_t = transformer.config.zero_cond_t
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        hidden, _encoder, _mask, temb, _image_freqs, _text_freqs = inputs
+        hidden, _encoder, _mask, temb, _image_freqs, _text_freqs, _index = inputs
+        if self.zero_cond_t:
+            temb = temb.chunk(2, dim=0)[0]
         return self.proj_out(self.norm_out(hidden, temb))
 
 
@@ -88,6 +103,9 @@ class QwenImageAdapter(Adapter):
     capabilities: ClassVar[Capabilities] = Capabilities(
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
+    # The tiny model's vision tokens (vision start, image, vision end), in its tokenizer when the VL encoder reads
+    # images (edit models); else they lie outside the vocabulary, as captions never contain them.
+    tiny_vision_tokens: ClassVar[tuple[str, ...]] = ()
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
@@ -193,7 +211,7 @@ class QwenImageAdapter(Adapter):
                      guidance: float) -> tuple[torch.Tensor, ...]:
         """As QwenImagePipeline calls the transformer; Qwen-Image has no guidance embedding."""
         b, _, h, w = noisy_latents.shape
-        grid = torch.tensor([[1, h // 2, w // 2]] * b)
+        grid = torch.tensor([[[1, h // 2, w // 2]]] * b)
         return (pack_latents(noisy_latents).to(self.dtype), timesteps.to(self.dtype),
                 text["prompt_embeds"].to(self.dtype), text["prompt_mask"].long(), grid)
 
@@ -226,6 +244,11 @@ class QwenImageAdapter(Adapter):
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     @classmethod
+    def tiny_template(cls) -> str:
+        """The template the tiny tokenizer learns its words from: the pipeline's."""
+        return _text_pipeline().prompt_template_encode
+
+    @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
         """Qwen-Image's layout at toy width: a 2-block transformer, a 4-level VAE (x8), a 2-layer Qwen2.5-VL with a
         one-block vision tower, and a tokenizer in which the pipeline's template is 34 tokens, as in the real one."""
@@ -233,10 +256,12 @@ class QwenImageAdapter(Adapter):
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         out_dir = Path(out_dir)
-        pipe = _text_pipeline()
-        tokenizer = save_tiny_qwen_tokenizer(out_dir / "tokenizer", template=pipe.prompt_template_encode)
+        tokenizer = save_tiny_qwen_tokenizer(out_dir / "tokenizer", template=cls.tiny_template(),
+                                             special_tokens=cls.tiny_vision_tokens)
         torch.manual_seed(seed)
         vocab = len(tokenizer)
+        start, image, end = (tokenizer.convert_tokens_to_ids(list(cls.tiny_vision_tokens)) if cls.tiny_vision_tokens
+                             else (vocab + 2, vocab, vocab + 3))
         Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
             text_config={"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
@@ -245,9 +270,7 @@ class QwenImageAdapter(Adapter):
                                              "mrope_section": [2, 3, 3]}},
             vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                            "out_hidden_size": 32, "fullatt_block_indexes": [0]},
-            # image and video tokens outside the tiny vocabulary: captions never contain them
-            image_token_id=vocab, video_token_id=vocab + 1, vision_start_token_id=vocab + 2,
-            vision_end_token_id=vocab + 3,
+            image_token_id=image, video_token_id=vocab + 1, vision_start_token_id=start, vision_end_token_id=end,
         )).save_pretrained(out_dir / "text_encoder")
         AutoencoderKLQwenImage(
             base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],

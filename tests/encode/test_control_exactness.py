@@ -78,3 +78,35 @@ def test_a_family_without_conditioning_refuses_a_control_dataset(tmp_path: Path)
     assert "scan.datasets: dataset 'recolour' has control images (`control`), but model family 'flux' trains on " \
            "none" in out.stderr
     shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.mark.slow  # about 60 s here: three encode runs through dvc repro
+def test_a_text_encoder_that_reads_the_control_image_recomputes_exactly_its_entries(tmp_path: Path) -> None:
+    """qwenimage_edit's text entries are per (caption, control image): 36 pairs give 36 entries (12 captions).
+    Editing a control image recomputes its latent and its pair's text entry; editing a caption recomputes that
+    pair's text entry and no latent."""
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store)
+    params = (REPO / "examples/qwenimage_edit-tiny/params.yaml").read_text().replace(
+        "workers: 0", "workers: 0\n  remote: ''")
+    (repo / "params.yaml").write_text(params)
+
+    assert reproduce(repo, store, "encode") == ["scan", "encode"]
+    assert encode_counts(repo) == _counts((54, 0), (36, 0))
+    before = {r["sample_id"]: r for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()}
+
+    with Image.open(repo / CONTROL) as im:
+        edited = im.convert("RGB")
+    edited.putpixel((0, 0), (0, 0, 0))
+    edited.save(repo / CONTROL)
+    assert reproduce(repo, store, "encode") == ["scan", "encode"]
+    assert encode_counts(repo) == _counts((1, 54), (1, 35))  # the pair's old entry is no longer wanted
+    after = {r["sample_id"]: r for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()}
+    changed = [sid for sid in after if after[sid] != before[sid]]
+    assert changed == ["recolour/000_circle_red_to_green_on_white.png@64x64x1"]
+    assert after[changed[0]]["text_key"] != before[changed[0]]["text_key"]
+
+    caption = repo / EXAMPLE / "data/005_circle_green_to_blue_on_gray.txt"
+    caption.write_text(caption.read_text() + " please")
+    assert reproduce(repo, store, "encode") == ["scan", "encode"]
+    assert encode_counts(repo) == _counts((0, 55), (1, 35))

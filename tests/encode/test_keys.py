@@ -44,6 +44,8 @@ TEXT_CHANGES: dict[str, Any] = {
     "tokenizer_hashes": {"t5": "f" * 32},
     "max_length": 256,
     "dtype": "float32",
+    # the image a text encoder reads with the caption (none in TEXT: absent from the key, see below)
+    "image": {"content_hash": "1" * 32, "bucket": "512x512", "resize": "center-crop", "frames": {"count": 1}},
 }
 
 
@@ -94,3 +96,12 @@ def test_format_version_changes_every_key(monkeypatch: pytest.MonkeyPatch) -> No
 def test_keys_are_keyword_only() -> None:
     with pytest.raises(TypeError, match="positional"):
         latent_key(*LATENT.values())  # type: ignore[misc]
+
+
+def test_the_image_a_text_encoder_reads_keys_its_entry() -> None:
+    """Every part of the image's description changes the key (another control image, the same at another bucket
+    or crop); with no image the key is what it was before images could enter it (test above)."""
+    image = TEXT_CHANGES["image"]
+    for part, other in (("content_hash", "2" * 32), ("bucket", "768x512"), ("resize", "resize-pad"),
+                        ("frames", {"count": 1, "start": 8})):
+        assert text_key(**TEXT, image={**image, part: other}) != text_key(**TEXT, image=image)

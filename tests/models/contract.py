@@ -60,6 +60,7 @@ class AdapterContract:
     media_sizes: ClassVar[tuple[tuple[int, int, int], ...]]  # (width, height, frames) to encode
     roundtrip_formats: ClassVar[tuple[str, ...]]  # export formats the diffusers pipeline loads
     text_max_length: ClassVar[int] = 16
+    pipeline_load_kwargs: ClassVar[dict] = {}  # what the round trip passes to the pipeline's from_pretrained
 
     def unsplit_forward(self, adapter: Adapter, denoiser: nn.Module, inputs: tuple,
                         like: torch.Tensor) -> torch.Tensor:
@@ -129,16 +130,26 @@ class AdapterContract:
         assert encoders and tokenizers
         assert all(d.is_dir() and any(d.iterdir()) for d in (*encoders.values(), *tokenizers.values()))
 
+    def encode_texts(self, adapter, encoders, captions: list[str], image_seed: int = 0) -> list[TensorDict]:
+        """Text entries of `captions`; a family whose text encoder reads the sample's conditioning image reads
+        each with a random image (seeded by `image_seed`) of the first media size."""
+        if not adapter.capabilities.text_reads_conditioning:
+            return adapter.encode_text(encoders, captions, self.text_max_length)
+        width, height, _ = self.media_sizes[0]
+        g = torch.Generator().manual_seed(image_seed)
+        images = torch.rand(len(captions), 3, 1, height, width, generator=g) * 2 - 1
+        return adapter.encode_conditioned_text(encoders, captions, images, self.text_max_length)
+
     def test_encode_text_matches_spec_and_is_deterministic(self, adapter):
         encoders = adapter.load_text_encoders(torch.device("cpu"))
         captions = ["a red circle", "a blue square on a white background"]
-        texts = adapter.encode_text(encoders, captions, self.text_max_length)
+        texts = self.encode_texts(adapter, encoders, captions)
         spec = adapter.text_spec(self.text_max_length)
         for entry in texts:
             assert set(entry) == set(spec)
             for name, (shape, dtype) in spec.items():
                 assert tuple(entry[name].shape) == shape and entry[name].dtype == getattr(torch, dtype)
-        again = adapter.encode_text(encoders, captions, self.text_max_length)
+        again = self.encode_texts(adapter, encoders, captions)
         assert all(torch.equal(texts[i][k], again[i][k]) for i in range(2) for k in spec)
         assert any(not torch.equal(texts[0][k], texts[1][k]) for k in spec)
 
@@ -332,7 +343,8 @@ class AdapterContract:
         _, lora = lora_model
         want = expected_deltas(lora)
         for fmt in self.roundtrip_formats:
-            pipe = getattr(diffusers, self.pipeline_cls).from_pretrained(model_dir, dtype=torch.float32)
+            pipe = getattr(diffusers, self.pipeline_cls).from_pretrained(model_dir, dtype=torch.float32,
+                                                                         **self.pipeline_load_kwargs)
             pipe.load_lora_weights({k: v.clone() for k, v in adapter.export_lora(lora, fmt).items()})
             got = lora_deltas(getattr(pipe, self.denoiser_attr))
             assert set(got) == set(want), (fmt, sorted(set(got) ^ set(want))[:5])

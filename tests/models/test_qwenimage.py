@@ -17,7 +17,7 @@ class TestQwenImageContract(AdapterContract):
     roundtrip_formats = ("diffusers", "comfyui")
 
     def unsplit_forward(self, adapter, denoiser, inputs, like):
-        grid = [[tuple(inputs[4][0].tolist())]] * inputs[0].shape[0]
+        grid = [[tuple(g) for g in inputs[4][0].tolist()]] * inputs[0].shape[0]
         full = denoiser(hidden_states=inputs[0], timestep=inputs[1], encoder_hidden_states=inputs[2],
                         encoder_hidden_states_mask=inputs[3], img_shapes=grid, return_dict=False)[0]
         return unpack_latents(full, like.shape[-2], like.shape[-1])
