@@ -116,6 +116,21 @@ VARIANTS = {
                              "max_gpu_memory_gb": 24},
     "cap24-noswap-share80-compile": {"plain": False, "activation_checkpointing": True, "compile": True,
                                      "activation_checkpointing_share": 0.8, "max_gpu_memory_gb": 24},
+    # activation checkpointing without a cap, recomputing everything or keeping what
+    # train.activation_checkpointing_keep names (selective checkpointing), against "eager" / "compile"
+    "ckpt": {"plain": False, "activation_checkpointing": True},
+    **{f"ckpt-keep-{keep}": {"plain": False, "activation_checkpointing": True,
+                             "activation_checkpointing_keep": keep} for keep in ("attention", "narrow")},
+    "compile-ckpt": {"plain": False, "activation_checkpointing": True, "compile": True},
+    **{f"compile-ckpt-keep-{keep}": {"plain": False, "activation_checkpointing": True, "compile": True,
+                                     "activation_checkpointing_keep": keep} for keep in ("narrow", "attention")},
+    "compile-ckpt-share80-keep-attention": {"plain": False, "activation_checkpointing": True, "compile": True,
+                                            "activation_checkpointing_share": 0.8,
+                                            "activation_checkpointing_keep": "attention"},
+    **{f"cap24-noswap-keep-{keep}{suffix}": {"plain": False, "activation_checkpointing": True,
+                                             "activation_checkpointing_keep": keep, "max_gpu_memory_gb": 24,
+                                             "compile": suffix == "-compile"}
+       for keep in ("narrow", "attention") for suffix in ("", "-compile")},
     # full fine-tuning (train.adapter: full): every weight trains, fp32 masters and AdamW state for each
     "full": {"plain": False, "adapter": "full"},
     # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()

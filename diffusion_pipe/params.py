@@ -337,6 +337,11 @@ class TrainParams:
     # With activation_checkpointing: the share of each stage's layers that recompute their activations in
     # backward (spread evenly); the others keep theirs, trading memory for speed (train/pipeline.py).
     activation_checkpointing_share: float = 1.0
+    # With activation_checkpointing: what a recomputed layer keeps (train/pipeline.py `_keeps`). "": nothing, every
+    # op runs again in backward; "attention": attention's outputs; "narrow": those and the outputs of products no
+    # wider than their input (projections, an MLP's down projection), so an MLP's up projection and the cheap ops
+    # run again.
+    activation_checkpointing_keep: Literal["", "attention", "narrow"] = ""
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
     max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
@@ -373,6 +378,9 @@ class TrainParams:
             raise ValueError(f"adapter is 'full', which trains every weight; blocks_to_swap (which keeps frozen "
                              f"weights in CPU memory) and save_lora_every_steps (LoRA files) need adapter: lora; "
                              f"set them to 0 (they are {self.blocks_to_swap} and {self.save_lora_every_steps})")
+        if self.activation_checkpointing_keep and not self.activation_checkpointing:
+            raise ValueError(f"activation_checkpointing_keep is {self.activation_checkpointing_keep!r}, but "
+                             "activation_checkpointing is off; set activation_checkpointing: true (or drop it)")
         if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")

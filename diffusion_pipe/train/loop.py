@@ -168,7 +168,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     layers = apply_block_swap(local.layers, (local.start, local.stop), train.blocks_to_swap, dist.device)
     module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
                                    train.seed, (local.start, local.stop), compile_layers=train.compile,
-                                   checkpointing_share=train.activation_checkpointing_share)
+                                   checkpointing_share=train.activation_checkpointing_share,
+                                   checkpointing_keep=train.activation_checkpointing_keep)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
                                   betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay,

@@ -5,6 +5,7 @@ Adapters never import DeepSpeed; this module turns `pipeline_layers()` into a `P
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -161,29 +162,74 @@ def recomputed_layers(start: int, stop: int, share: float) -> list[int]:
     return [start + i for i in range(count) if (i + 1) * chosen // count > i * chosen // count]
 
 
-def recompute_in_backward(layer: nn.Module, compile_forward: bool = False) -> None:
-    """Make `layer` keep none of its activations when gradients are computed: they are recomputed in backward
-    (torch's non-reentrant checkpoint, which takes the tuples layers pass between them). Done by replacing the
-    instance's forward, so the names of its parameters (checkpoints are keyed by them) do not change. With
-    `compile_forward` the layer's own forward is compiled inside the checkpoint, as DeepSpeed's per-layer
-    checkpointing wraps a compiled layer (a checkpoint traced by the compiler failed on the H200)."""
-    from torch.utils.checkpoint import checkpoint
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_flash_attention_forward", "_efficient_attention_forward")
+_PRODUCT_OPS = {"mm": 0, "bmm": 0, "_scaled_mm": 0, "addmm": 1, "baddbmm": 1}  # name -> index of the left operand
 
+
+def _keeps(keep: str) -> Callable[..., bool]:
+    """Whether a selective checkpoint keeps an op's output (given the op and its arguments): attention's always
+    (every kernel torch may pick); with 'narrow' also every matrix product whose output is no wider than its left
+    operand (q/k/v and output projections, an MLP's down projection), so only the widening products (an MLP's
+    up projection, whose outputs take the most memory) and the cheap ops between run again. (Keeping every
+    product was measured too: on Flux-dev it kept more than no checkpointing at all, BENCHMARKS.md.)"""
+    aten = torch.ops.aten
+    attention = {getattr(aten, n).default for n in _ATTENTION_OPS if hasattr(aten, n)}
+    products = {getattr(aten, n).default: i for n, i in _PRODUCT_OPS.items() if hasattr(aten, n)}
+
+    def kept(op, args) -> bool:
+        if op in attention:
+            return True
+        if op not in products or keep == "attention":
+            return False
+        left, right = args[products[op]], args[products[op] + 1]
+        return right.shape[-1] <= left.shape[-1]
+
+    return kept
+
+
+def checkpoint_function(keep: str = "") -> Callable:
+    """torch's non-reentrant checkpoint (it takes the tuples layers pass between them): every op of the checkpointed
+    function runs again in backward, or with `keep` ('attention', 'narrow') the outputs of the ops it
+    names are kept (selective activation checkpointing, `_keeps`) and only the others run again."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    if not keep:
+        return functools.partial(checkpoint, use_reentrant=False)
+    kept = _keeps(keep)
+
+    def policy(_ctx, op, *args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if kept(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(checkpoint, use_reentrant=False,
+                             context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+
+def recompute_in_backward(layer: nn.Module, compile_forward: bool = False, keep: str = "") -> None:
+    """Make `layer` keep none of its activations when gradients are computed (or only those `keep` names): they are
+    recomputed in backward (`checkpoint_function`). Done by replacing the instance's forward, so the names of its
+    parameters (checkpoints are keyed by them) do not change. With `compile_forward` the layer's own forward is
+    compiled inside the checkpoint, as DeepSpeed's per-layer checkpointing wraps a compiled layer (a checkpoint
+    traced by the compiler failed on the H200)."""
+    checkpoint = checkpoint_function(keep)
     forward = torch.compile(layer.forward) if compile_forward else layer.forward
 
     def recomputed(inputs):
-        return checkpoint(forward, inputs, use_reentrant=False) if torch.is_grad_enabled() else forward(inputs)
+        return checkpoint(forward, inputs) if torch.is_grad_enabled() else forward(inputs)
 
     layer.forward = recomputed
 
 
 def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
                           activation_checkpointing: bool, seed: int, local: tuple[int, int],
-                          compile_layers: bool = False, checkpointing_share: float = 1.0) -> nn.Module:
+                          compile_layers: bool = False, checkpointing_share: float = 1.0,
+                          checkpointing_keep: str = "") -> nn.Module:
     """A PipelineModule over `layers`, split evenly into `num_stages` stages; `local` is this rank's
     [start, stop) layer range (see `build.stage_bounds`). With `activation_checkpointing`, every layer of the
     stage recomputes its activations in backward (DeepSpeed's per-layer checkpointing), or only a
-    `checkpointing_share` of them (`recomputed_layers`; inside a compiled layer when `compile_layers`)."""
+    `checkpointing_share` of them (`recomputed_layers`; inside a compiled layer when `compile_layers`), keeping
+    what `checkpointing_keep` names (`checkpoint_function`)."""
     from deepspeed.pipe import PipelineModule
 
     layers = list(layers)
@@ -192,7 +238,7 @@ def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Cal
     recomputed = set(recomputed_layers(start, stop, checkpointing_share)) if partial else set()
     for i in range(start, stop):
         if i in recomputed:
-            recompute_in_backward(layers[i], compile_forward=compile_layers)
+            recompute_in_backward(layers[i], compile_forward=compile_layers, keep=checkpointing_keep)
         elif compile_layers:
             layers[i].compile()
     if stop < len(layers):
@@ -200,12 +246,8 @@ def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Cal
 
     checkpoint_kwargs = {}
     if activation_checkpointing and checkpointing_share >= 1.0:
-        from torch.utils.checkpoint import checkpoint
-
         # DeepSpeed's default (reentrant) checkpoint fails on tuple activations between stages.
-        checkpoint_kwargs = {
-            "activation_checkpoint_interval": 1,
-            "activation_checkpoint_func": lambda fn, *args: checkpoint(fn, *args, use_reentrant=False),
-        }
+        checkpoint_kwargs = {"activation_checkpoint_interval": 1,
+                             "activation_checkpoint_func": checkpoint_function(checkpointing_keep)}
     return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn, partition_method="uniform",
                           base_seed=seed, dynamic_shape=True, **checkpoint_kwargs)
