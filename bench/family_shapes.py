@@ -77,6 +77,16 @@ REAL: dict[str, dict] = {
         "configs": {"vae": {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    # black-forest-labs/FLUX.2-dev, 32.2B (Flux2Transformer2DModel's defaults): 64 GB of bf16 weights, so only the
+    # memory-saving runs (`--runs cap24:float8`, the swapping of examples/flux2/) can fit one GPU
+    "flux2": {
+        "transformer": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                            num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                            mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
+                            guidance_embeds=True),
+        "configs": {"vae": {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "hunyuan_video15": {  # hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, 8.3B
         "transformer": dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
                             num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
@@ -146,6 +156,12 @@ REAL: dict[str, dict] = {
     "wan": _WAN_14B,
     # Wan-AI/Wan2.2-I2V-A14B-Diffusers, one expert (14B): Wan 2.1's shape over 36 input channels
     "wan_i2v": {**_WAN_14B, "transformer": {**_WAN_14B["transformer"], "in_channels": 36}},
+    # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (16.4B): wan_i2v's shape and the CLIP image path (image_dim, each block's
+    # image key and value); the text entries hold its CLIP ViT-H/14 states (257 x 1280) as well
+    "wan21_i2v": {**_WAN_14B, "transformer": {**_WAN_14B["transformer"], "in_channels": 36, "image_dim": 1280,
+                                              "added_kv_proj_dim": 5120},
+                  "configs": {**_WAN_14B["configs"],
+                              "image_encoder": {"hidden_size": 1280, "image_size": 224, "patch_size": 14}}},
     "skyreels_v2": _WAN_14B,  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
@@ -178,6 +194,7 @@ REAL: dict[str, dict] = {
 # Tiny shapes: small buckets the tiny models accept (9 frames: 8k+1 for LTX, 4k+1 for the others).
 TINY_MEDIA = {"image": (64, 64, 1), "video": (64, 64, 9)}
 TINY_TEXT_LEN = 16
+TINY_TEXT_LEN_OF = {"wan21_i2v": 512}  # the only length the family takes
 
 
 def media_shape(family: str, shape: str) -> tuple[tuple[int, int, int], int]:
@@ -187,7 +204,7 @@ def media_shape(family: str, shape: str) -> tuple[tuple[int, int, int], int]:
     from diffusion_pipe.models import adapter_class
 
     media = adapter_class(family).capabilities.media
-    return TINY_MEDIA["video" if "video" in media else "image"], TINY_TEXT_LEN
+    return TINY_MEDIA["video" if "video" in media else "image"], TINY_TEXT_LEN_OF.get(family, TINY_TEXT_LEN)
 
 
 def _patch_json(path: Path, values: dict) -> None:

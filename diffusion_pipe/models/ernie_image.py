@@ -232,20 +232,12 @@ class ErnieImageAdapter(Adapter):
         """ERNIE-Image's layout at toy width: a 2-block transformer, a 2-layer Mistral 3 with a one-layer vision
         tower, a 3-level Flux.2 VAE with non-trivial batch-norm statistics."""
         from diffusers import AutoencoderKLFlux2, ErnieImageTransformer2DModel, FlowMatchEulerDiscreteScheduler
-        from transformers import Mistral3Config, Mistral3Model, MistralConfig, PixtralVisionConfig
+        from transformers import Mistral3Model
 
         out_dir = Path(out_dir)
         tokenizer = save_tiny_qwen_tokenizer(out_dir / "tokenizer")
         torch.manual_seed(seed)
-        vocab = len(tokenizer)
-        Mistral3Model(Mistral3Config(
-            vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                              num_attention_heads=2, head_dim=8, patch_size=4, image_size=32).to_dict(),
-            text_config=MistralConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                      max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id).to_dict(),
-            image_token_index=vocab, spatial_merge_size=2, vision_feature_layer=-1,
-        )).save_pretrained(out_dir / "text_encoder")
+        Mistral3Model(tiny_mistral3_config(tokenizer, num_hidden_layers=2)).save_pretrained(out_dir / "text_encoder")
         vae = AutoencoderKLFlux2(
             block_out_channels=(8, 16, 16), down_block_types=("DownEncoderBlock2D",) * 3,
             up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, latent_channels=4, norm_num_groups=4,
@@ -266,6 +258,23 @@ class ErnieImageAdapter(Adapter):
         transformer.save_pretrained(out_dir / "transformer")
         FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(out_dir / "scheduler")
         (out_dir / "model_index.json").write_text(MODEL_INDEX)
+
+
+def tiny_mistral3_config(tokenizer: object, num_hidden_layers: int) -> object:
+    """A Mistral3Config at toy width over `tokenizer`'s vocabulary: a 16-wide text model of `num_hidden_layers`
+    layers and a one-layer Pixtral vision tower (text encoding never runs it)."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    vocab = len(tokenizer)
+    return Mistral3Config(
+        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, head_dim=8, patch_size=4, image_size=32).to_dict(),
+        text_config=MistralConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1,
+                                  head_dim=8, max_position_embeddings=2048,
+                                  pad_token_id=tokenizer.pad_token_id).to_dict(),
+        image_token_index=vocab, spatial_merge_size=2, vision_feature_layer=-1,
+    )
 
 
 MODEL_INDEX = """{

@@ -1,5 +1,6 @@
 """FLUX.2 [klein] (Flux.2 MMDiT with shared modulations, flow matching; Qwen3 text encoder, the Flux.2 VAE),
-through diffusers components. FLUX.2 [dev] (Mistral 3 text encoder, guidance embedding) is not this family.
+through diffusers components. FLUX.2 [dev] (Mistral 3 text encoder, guidance embedding) is family `flux2`, this
+adapter's subclass (it swaps the pipeline class, the text encoder class and the guidance check).
 
 Text goes through Flux2KleinPipeline's own `encode_prompt` (the caption as a chat message, three of Qwen3's
 hidden layers stacked); latents through its own `_encode_vae_image` (2x2 patches, then the VAE's batch-norm
@@ -19,12 +20,6 @@ from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
     save_tiny_qwen_tokenizer
 from diffusion_pipe.models.zimage import QWEN3_CHAT_TEMPLATE
-
-
-def _pipeline(**components: object) -> object:
-    from diffusers import Flux2KleinPipeline
-
-    return bare_pipeline(Flux2KleinPipeline, **components)
 
 
 class Flux2Embed(nn.Module):
@@ -113,6 +108,20 @@ class Flux2KleinAdapter(Adapter):
     capabilities: ClassVar[Capabilities] = Capabilities(
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
+    guidance_embeds: ClassVar[bool] = False  # FLUX.2 [klein] has no guidance embedding, FLUX.2 [dev] has one
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
+        super().__init__(model_dir, dtype, expert)
+        config = self.model_dir / "transformer" / "config.json"
+        # Flux2Transformer2DModel's config defaults guidance_embeds to True
+        if config.is_file() and self.component_config("transformer").get("guidance_embeds", True) != \
+                self.guidance_embeds:
+            from diffusion_pipe.config import ConfigError
+
+            has, family = ("no", "flux2_klein") if self.guidance_embeds else ("a", "flux2")
+            raise ConfigError(f"model.family: {self.model_dir}'s transformer has {has} guidance embedding, so it is "
+                              f"not a model of family '{self.name}' (FLUX.2 [dev] has one, FLUX.2 [klein] none); "
+                              f"set model.family to '{family}'")
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
@@ -128,19 +137,25 @@ class Flux2KleinAdapter(Adapter):
         """The chat template the pipeline wraps captions in is a tokenizer file: the tokenizer hash keys it."""
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
 
-    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def text_encoder_class(self) -> type[nn.Module]:
+        from transformers import AutoModelForCausalLM
 
-        encoder = load_component(AutoModelForCausalLM, self.model_dir / "text_encoder", self.dtype, device)
+        return AutoModelForCausalLM
+
+    def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
+        from transformers import AutoTokenizer
+
+        encoder = load_component(self.text_encoder_class(), self.model_dir / "text_encoder", self.dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir / "tokenizer")
-        return PipelineTextEncoder(_pipeline(text_encoder=encoder, tokenizer=tokenizer))
+        return PipelineTextEncoder(bare_pipeline(self.pipeline_class(), text_encoder=encoder, tokenizer=tokenizer))
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
-        """Flux2KleinPipeline's `_encode_vae_image`: the distribution's mode, 2x2 patches, batch-norm statistics."""
+        """The pipeline's `_encode_vae_image`: the distribution's mode, 2x2 patches, batch-norm statistics."""
         if pixels_BCFHW.shape[2] != 1:
-            raise ValueError(f"family 'flux2_klein' trains on images only; got {pixels_BCFHW.shape[2]} frames")
-        latents = _pipeline(vae=vae)._encode_vae_image(pixels_BCFHW[:, :, 0].to(vae.device, vae.dtype), None)
+            raise ValueError(f"family '{self.name}' trains on images only; got {pixels_BCFHW.shape[2]} frames")
+        pixels = pixels_BCFHW[:, :, 0].to(vae.device, vae.dtype)
+        latents = bare_pipeline(self.pipeline_class(), vae=vae)._encode_vae_image(pixels, None)
         return [{"latents": x.contiguous().cpu()} for x in latents]
 
     @torch.no_grad()
@@ -187,10 +202,9 @@ class Flux2KleinAdapter(Adapter):
 
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:
-        """As Flux2KleinPipeline calls the transformer: packed latent tokens, its position ids for them and for
-        the text; `guidance` reaches the transformer only if it has a guidance embedding."""
-        from diffusers import Flux2KleinPipeline as pipe  # its static packing and id helpers: nothing to build
-
+        """As the pipeline calls the transformer: packed latent tokens, its position ids for them and for the text;
+        `guidance` reaches the transformer only if it has a guidance embedding."""
+        pipe = self.pipeline_class()  # its static packing and id helpers: nothing to build
         b = noisy_latents.shape[0]
         prompt_embeds = text["prompt_embeds"].to(self.dtype)
         return (pipe._pack_latents(noisy_latents).to(self.dtype), timesteps.to(self.dtype), prompt_embeds,
@@ -220,7 +234,7 @@ class Flux2KleinAdapter(Adapter):
         if fmt == "comfyui":
             config = self.component_config("transformer")
             return comfyui_lora(lora, config["num_attention_heads"] * config["attention_head_dim"])
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'flux2_klein' "
+        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     @classmethod
@@ -228,7 +242,6 @@ class Flux2KleinAdapter(Adapter):
         """FLUX.2 [klein]'s layout at toy width: one double and two single blocks, a 27-layer Qwen3 (the pipeline
         reads hidden layers 9, 18 and 27) with a tokenizer carrying the chat template, a 3-level VAE with
         non-trivial batch-norm statistics."""
-        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         out_dir = Path(out_dir)
@@ -241,21 +254,30 @@ class Flux2KleinAdapter(Adapter):
             tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )).save_pretrained(out_dir / "text_encoder")
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 16, 16), down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, latent_channels=4, norm_num_groups=4,
-            sample_size=64, use_quant_conv=False, use_post_quant_conv=False,
-        )
-        vae.bn.running_mean.normal_(0.0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-        vae.save_pretrained(out_dir / "vae")
-        Flux2Transformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(2, 2, 2, 2),
-            guidance_embeds=False,
-        ).save_pretrained(out_dir / "transformer")
-        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(out_dir / "scheduler")
-        (out_dir / "model_index.json").write_text(MODEL_INDEX)
+        save_tiny_flux2_components(out_dir, guidance_embeds=False, model_index=MODEL_INDEX)
+
+
+def save_tiny_flux2_components(out_dir: Path, guidance_embeds: bool, model_index: str) -> None:
+    """What every tiny FLUX.2 model shares, written after its text encoder (same random stream): a 3-level VAE with
+    non-trivial batch-norm statistics, a transformer of one double and two single blocks over 48-wide text (three
+    16-wide hidden layers stacked), the scheduler, and `model_index` as model_index.json."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16), down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        sample_size=64, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    vae.bn.running_mean.normal_(0.0, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    vae.save_pretrained(out_dir / "vae")
+    Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(2, 2, 2, 2),
+        guidance_embeds=guidance_embeds,
+    ).save_pretrained(out_dir / "transformer")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(out_dir / "scheduler")
+    (out_dir / "model_index.json").write_text(model_index)
 
 
 MODEL_INDEX = """{

@@ -29,8 +29,10 @@ class WanTextEncoder:
 
 
 class WanEmbed(nn.Module):
-    """First layer: patch embedding, timestep and text embeddings, rotary tables.
-    Returns (tokens, text, timestep_proj, temb, cos, sin)."""
+    """First layer: patch embedding, timestep and text embeddings, rotary tables. Takes (latents, timesteps, text)
+    and, for a transformer with `image_dim` (Wan 2.1 I2V), the CLIP image states after them.
+    Returns (tokens, text, timestep_proj, temb, cos, sin); `text` is then the embedded image states followed by
+    the text's, as WanTransformer3DModel.forward concatenates them for cross-attention."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
@@ -39,15 +41,20 @@ class WanEmbed(nn.Module):
         self.condition_embedder = transformer.condition_embedder
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        latents, timesteps, text = inputs
+        latents, timesteps, text, *image = inputs
+        image = image[0] if image else None
         cos, sin = self.rope(latents)
         hidden = self.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
         if timesteps.ndim == 2:  # one timestep per token (Wan 2.2 TI2V), as WanTransformer3DModel.forward
-            temb, timestep_proj, text, _ = self.condition_embedder(timesteps.flatten() * 1000, text, None,
-                                                                   timestep_seq_len=timesteps.shape[1])
-            return hidden, text, timestep_proj.unflatten(2, (6, -1)), temb, cos, sin
-        temb, timestep_proj, text, _ = self.condition_embedder(timesteps * 1000, text, None)
-        return hidden, text, timestep_proj.unflatten(1, (6, -1)), temb, cos, sin
+            temb, timestep_proj, text, image = self.condition_embedder(timesteps.flatten() * 1000, text, image,
+                                                                       timestep_seq_len=timesteps.shape[1])
+            timestep_proj = timestep_proj.unflatten(2, (6, -1))
+        else:
+            temb, timestep_proj, text, image = self.condition_embedder(timesteps * 1000, text, image)
+            timestep_proj = timestep_proj.unflatten(1, (6, -1))
+        if image is not None:
+            text = torch.cat((image, text), dim=1)
+        return hidden, text, timestep_proj, temb, cos, sin
 
 
 class WanBlock(nn.Module):

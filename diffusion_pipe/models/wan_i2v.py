@@ -10,8 +10,8 @@ control image where it declares one (`scan.datasets[].control`). The loss covers
 denoises the whole clip.
 
 A14B ships two experts (high and low noise, `model.expert`), as Wan 2.2 T2V does. Wan 2.1 I2V (14B-480P/720P)
-also feeds a CLIP image embedding to the transformer (`image_dim`), which this adapter does not encode yet: it
-refuses such a checkpoint.
+also feeds a CLIP image embedding to the transformer (`image_dim`): family `wan21_i2v` (wan21_i2v.py) trains it,
+and this one refuses such a checkpoint.
 """
 
 from __future__ import annotations
@@ -41,12 +41,18 @@ class WanI2VAdapter(WanAdapter):
     def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
         super().__init__(model_dir, dtype, expert)
         config = self.model_dir / self._transformer_component() / "config.json"
-        if config.is_file() and self.component_config(self._transformer_component()).get("image_dim"):
+        if config.is_file():
+            self.check_transformer(self.component_config(self._transformer_component()))
+
+    def check_transformer(self, config: dict) -> None:
+        """A ConfigError unless the transformer is this family's: Wan 2.2 I2V-A14B's takes no CLIP image
+        embedding (`image_dim`), which Wan 2.1 I2V's does (family 'wan21_i2v')."""
+        if config.get("image_dim"):
             from diffusion_pipe.config import ConfigError
 
             raise ConfigError(f"model.path: {self.model_dir} is a Wan 2.1 I2V checkpoint (its transformer takes a "
-                              "CLIP image embedding, image_dim), which family 'wan_i2v' does not encode yet; it "
-                              "trains Wan 2.2 I2V-A14B (Wan-AI/Wan2.2-I2V-A14B-Diffusers)")
+                              "CLIP image embedding, image_dim); family 'wan_i2v' trains Wan 2.2 I2V-A14B "
+                              "(Wan-AI/Wan2.2-I2V-A14B-Diffusers): set model.family to 'wan21_i2v'")
 
     # ---- encode side -------------------------------------------------------------------------------
     def conditioning_pixels(self, first_frame_BC1HW: torch.Tensor, frames: int) -> torch.Tensor:

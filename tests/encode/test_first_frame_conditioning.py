@@ -174,3 +174,47 @@ def test_a_declared_first_frame_is_encoded_by_the_rule_and_replaces_the_clips_ow
         torch.testing.assert_close(entries.get("latent", key)["latents"], want["latents"], rtol=0, atol=1e-5)
         windows.setdefault(row["path"], set()).add(key)
     assert all(len(keys) == 1 for keys in windows.values())  # both windows of a clip start from its one image
+
+
+@pytest.mark.slow  # about 10 s here: three scan and encode runs of the wan21_i2v example
+def test_wan21_i2v_text_entries_read_each_windows_first_frame(tmp_path: Path) -> None:
+    """wan21_i2v's text entries are per (caption, window's first frame): the example's 16 windows of 8 captions
+    are 16 entries, each holding Wan's UMT5 states of its caption and the CLIP embedding of its window's first
+    frame as the adapter reads it. An edited caption recomputes its clip's two entries and no latent; a re-encoded
+    clip its windows' latents, conditions and entries, nothing else."""
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store, dvc=False)
+    shutil.copy(repo / "examples/wan21_i2v-tiny/params.yaml", repo / "params.yaml")
+    data = repo / "examples/wan_i2v-tiny/data"
+
+    def scan_and_encode() -> dict[str, tuple[int, int]]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(repo)
+            stage_in_process("scan", store)
+            stage_in_process("encode", store)
+        report = json.loads((repo / "reports/encode.json").read_text())
+        return {fam: (report[fam]["computed"], report[fam]["reused_local"]) for fam in ("latent", "text")}
+
+    assert scan_and_encode() == {"latent": (32, 0), "text": (16, 0)}  # 16 windows and their 16 conditions
+    table = pq.read_table(repo / "data/encoded.parquet").to_pylist()
+    assert len(table) == 16 and len({r["text_key"] for r in table}) == 16
+    model = from_dict(ModelParams, {"family": "wan21_i2v", "path": str(repo / "examples/wan21_i2v-tiny/model"),
+                                    "dtype": "float32"}, "model")
+    adapter = load_adapter(model)
+    encoders = adapter.load_text_encoders(torch.device("cpu"))
+    captions = {p.stem: p.read_text().strip() for p in data.glob("*.txt")}
+    entries = Store(store)
+    for row in table:
+        start = int(row["sample_id"].split("#")[1]) if "#" in row["sample_id"] else 0
+        first = to_unit_range(load_pixels_uint8(data / row["path"], "video", 64, 64, 1, start))[None]
+        (want,) = adapter.encode_conditioned_text(encoders, [captions[Path(row["path"]).stem]], first, 512)
+        got = entries.get("text", row["text_key"])
+        torch.testing.assert_close(got["image_embeds"], want["image_embeds"], rtol=0, atol=1e-6)
+        assert torch.equal(got["t5"], want["t5"])
+
+    caption = data / "v0_red.txt"
+    caption.write_text(caption.read_text().strip() + " slowly\n")
+    assert scan_and_encode() == {"latent": (0, 32), "text": (2, 14)}
+    make_moving_shapes_videos(tmp_path / "other", frames=9, fps=4)
+    shutil.copy(tmp_path / "other/v1_green.mp4", data / "v1_green.mp4")
+    assert scan_and_encode() == {"latent": (4, 28), "text": (2, 14)}

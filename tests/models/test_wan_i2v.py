@@ -105,10 +105,10 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(model_di
 
 
 def test_a_wan21_i2v_checkpoint_with_clip_is_refused(tmp_path):
-    """Wan 2.1 I2V's transformer takes a CLIP image embedding this family does not encode: a clear error, not a
-    model trained without it."""
+    """Wan 2.1 I2V's transformer takes a CLIP image embedding this family does not encode: a clear error naming
+    the family that does, not a model trained without it."""
     WanI2VAdapter.build_tiny(tmp_path, seed=0)
     config = tmp_path / "transformer" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "image_dim": 1280}))
-    with pytest.raises(ConfigError, match="Wan 2.1 I2V checkpoint .*image_dim"):
+    with pytest.raises(ConfigError, match="Wan 2.1 I2V checkpoint .*image_dim.*set model.family to 'wan21_i2v'"):
         WanI2VAdapter(tmp_path, torch.float32)
