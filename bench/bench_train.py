@@ -92,7 +92,7 @@ def make_data(store_root: Path, encoded: Path, model_dir: Path, shape: dict, n: 
     from diffusion_pipe.sample.render import prompt_texts
 
     adapter = FluxAdapter(model_dir, torch.bfloat16)
-    texts = prompt_texts(adapter, sample_params(samples_section(shape, 0, 1)).resolved())
+    texts = tuple(t.text for t in prompt_texts(adapter, sample_params(samples_section(shape, 0, 1)).resolved()))
     fill_store(store_root, encoded, adapter, (shape["resolution"], shape["resolution"], 1), shape["text_len"], n,
                ModelParams(family="flux", path=str(model_dir), dtype="bfloat16"), texts)
 

@@ -23,17 +23,19 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from diffusion_pipe.bucket_labels import parse_bucket
+from diffusion_pipe.bucket_labels import bucket_label, parse_bucket
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.keys import latent_key, text_key
 from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, to_unit_range
 from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
+from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, SamplePrompt, ScanParams
 from diffusion_pipe.redact import redact
+from diffusion_pipe.sample.render import SampleText, prompt_texts
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
 from diffusion_pipe.store.remote import resolve_remote
 from diffusion_pipe.weights import component_hash, tokenizer_hash
@@ -188,6 +190,15 @@ def caption_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
     """The text key of each caption read alone (no image)."""
     key = text_keyer(adapter, model, max_length)
     return {c: key(c) for c in captions}
+
+
+def sample_text_keys(adapter: Adapter, model: ModelParams, max_length: int,
+                     texts: tuple[SampleText, ...]) -> dict[SampleText, str]:
+    """The text key of each sample-prompt text (`sample.render.prompt_texts`): read alone, or with its prompt's
+    control image at the sample's size, keyed as a training sample's text read with its control image."""
+    key = text_keyer(adapter, model, max_length)
+    return {t: key(t.text, text_image(hash_file(t.control), bucket_label(t.width, t.height, 1), "image")
+                   if t.control else None) for t in texts}
 
 
 def text_image(content_hash: str, bucket: str, media: str, start: int = 0) -> dict:
@@ -523,10 +534,11 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
 
     sources = latent_sources(samples, roots, control_roots)
     captions = text_sources(samples, roots, control_roots, adapter.capabilities.text_reads_conditioning)
-    empty = {""} if caption_dropout else set()  # the caption that dropped samples take
-    prompt_texts = tuple({t for p in sample_prompts for t in adapter.sample_texts(p)} | empty)
-    captions |= {key: TextSource(text) for text, key in caption_text_keys(adapter, model, encode.text_max_length,
-                                                                          prompt_texts).items()}
+    empty = (SampleText(""),) if caption_dropout else ()  # the caption that dropped samples take
+    captions |= {key: TextSource(t.text, LatentSource("", Path(t.control), "image",
+                                                      bucket_label(t.width, t.height, 1)) if t.control else None)
+                 for t, key in sample_text_keys(adapter, model, encode.text_max_length,
+                                                (*prompt_texts(adapter, sample_prompts), *empty)).items()}
     wanted = {"latent": sorted(sources), "text": sorted(captions)}
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}

@@ -18,9 +18,10 @@ image per sample.
 
 transformers builds Qwen2VLProcessor with a video processor, and that only with torchvision; the processor here
 is Qwen2VLProcessor without one, over the PIL image processor (the same on a machine with torchvision, so text
-keys and entries do not depend on what is installed). Samples are not rendered yet, nor is caption dropout
-supported (a dropped caption would need an empty-caption entry per control image).
-"""
+keys and entries do not depend on what is installed). Samples render through the edit pipeline: a sample prompt's
+texts are read with its control image at the sample's size (entries keyed by it, embedded by encode as a training
+caption's); the pipeline encodes the control image itself, as at inference. Caption dropout is not supported (a
+dropped caption would need an empty-caption entry per control image)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from diffusion_pipe.models.base import Adapter, Capabilities, TensorDict
+from diffusion_pipe.models.base import Capabilities, TensorDict
 from diffusion_pipe.models.common import PipelineTextEncoder, load_component
 from diffusion_pipe.models.flux import pack_latents, unpack_latents
 from diffusion_pipe.models.qwenimage import MODEL_INDEX, QwenImageAdapter
@@ -181,9 +182,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return unpack_latents(prediction[:, :(height // 2) * (width // 2)], height, width)
 
     # ---- sample side -------------------------------------------------------------------------------
-    # Not yet: a sample prompt's text entry would be read with its control image. The base's refusal, not
-    # Qwen-Image's pipeline.
-    pipeline_class = Adapter.pipeline_class
+    def pipeline_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_name())
+
+    def sample_control_inputs(self, image: object) -> dict:
+        """The image to edit, which the pipeline encodes as it does at inference (resized to about 1 MP, its aspect
+        kept); the prompts' text entries were read with it at the sample's size."""
+        return {"image": image}
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,9 +19,41 @@ from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.params import SamplePrompt
 
 
-def prompt_texts(adapter: Adapter, prompts: tuple[SamplePrompt, ...]) -> tuple[str, ...]:
+class SampleText(NamedTuple):
+    """A text a sample prompt renders from, with what the family's text encoder reads beside it: for a family
+    with `text_reads_conditioning`, the prompt's control image at the sample's size (its text entry is keyed and
+    made with it); else nothing, and prompts share the entries of equal texts."""
+
+    text: str
+    control: str = ""
+    width: int = 0
+    height: int = 0
+
+
+def sample_text(adapter: Adapter, prompt: SamplePrompt, text: str) -> SampleText:
+    """`text` (the prompt's or its negative prompt) as `prompt` renders from it."""
+    if adapter.capabilities.text_reads_conditioning:
+        return SampleText(text, prompt.control, prompt.width, prompt.height)
+    return SampleText(text)
+
+
+def prompt_texts(adapter: Adapter, prompts: tuple[SamplePrompt, ...]) -> tuple[SampleText, ...]:
     """Every text the resolved `prompts` render from (the family decides whether negative prompts count)."""
-    return tuple(sorted({text for p in prompts for text in adapter.sample_texts(p)}))
+    return tuple(sorted({sample_text(adapter, p, text) for p in prompts for text in adapter.sample_texts(p)}))
+
+
+def encode_sample_texts(adapter: Adapter, encoders: object, texts: tuple[SampleText, ...],
+                        max_length: int) -> dict[SampleText, TensorDict]:
+    """The text entries of `texts` made by the family's text encoders, as encode makes them: a text read with a
+    control image is read with it as `control_image` crops it to the sample's size."""
+    from diffusion_pipe.encode.media import load_pixels_uint8, to_unit_range
+
+    alone = [t for t in texts if not t.control]
+    out = dict(zip(alone, adapter.encode_text(encoders, [t.text for t in alone], max_length))) if alone else {}
+    for t in (t for t in texts if t.control):
+        pixels = to_unit_range(load_pixels_uint8(Path(t.control), "image", t.width, t.height, 1))[None]
+        (out[t],) = adapter.encode_conditioned_text(encoders, [t.text], pixels, max_length)
+    return out
 
 
 def check_prompt(adapter: Adapter, prompt: SamplePrompt) -> None:
@@ -49,8 +82,8 @@ def check_prompt(adapter: Adapter, prompt: SamplePrompt) -> None:
 
 
 @torch.no_grad()
-def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, ...], texts: dict[str, TensorDict],
-                   device: torch.device) -> list[np.ndarray]:
+def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, ...],
+                   texts: dict[SampleText, TensorDict], device: torch.device) -> list[np.ndarray]:
     """Pixels (frames, height, width, 3) uint8 of each resolved prompt, in order; `texts` holds the stored text
     entry of every prompt and negative prompt. Prompts that share size, frames, steps, guidance and control image
     render as one batch (one pass of the pipeline), each from the noise of its own seed."""
@@ -59,8 +92,9 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
     for i, p in enumerate(prompts):
         groups.setdefault((p.width, p.height, p.frames, p.steps, p.guidance, p.cfg_scale, p.control), []).append(i)
     for (width, height, frames, steps, guidance, cfg_scale, control), members in groups.items():
-        calls = [adapter.sample_inputs(texts[prompts[i].prompt], texts.get(prompts[i].negative_prompt), guidance,
-                                       cfg_scale) for i in members]
+        calls = [adapter.sample_inputs(texts[sample_text(adapter, p, p.prompt)],
+                                       texts.get(sample_text(adapter, p, p.negative_prompt)), guidance, cfg_scale)
+                 for p in (prompts[i] for i in members)]
         kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
         if control:  # the image the group's prompts edit (or start from), read once for the batch
             kwargs |= adapter.sample_control_inputs(control_image(control, width, height))

@@ -14,8 +14,8 @@ from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import Params
-from diffusion_pipe.sample.render import (check_prompt, control_image, grid, png_bytes, poster, prompt_texts,
-                                          render_prompts, write_media)
+from diffusion_pipe.sample.render import (check_prompt, control_image, encode_sample_texts, grid, png_bytes, poster,
+                                          prompt_texts, render_prompts, write_media)
 
 
 def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Path, video_dir: Path,
@@ -49,8 +49,7 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     device = resolve_device(device_name, "--device")
 
     encoders = adapter.load_text_encoders(device)
-    texts_list = prompt_texts(adapter, prompts)
-    texts = dict(zip(texts_list, adapter.encode_text(encoders, list(texts_list), params.encode.text_max_length)))
+    texts = encode_sample_texts(adapter, encoders, prompt_texts(adapter, prompts), params.encode.text_max_length)
     del encoders  # the pipeline gets its prompts as embeddings: its text encoders are never loaded
 
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()

@@ -32,7 +32,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.params import ModelParams, SampleParams
-from diffusion_pipe.encode.encode import caption_text_keys
+from diffusion_pipe.encode.encode import sample_text_keys
 from diffusion_pipe.sample.render import (check_prompt, grid, png_bytes, poster, prompt_texts, render_prompts,
                                           write_media)
 from diffusion_pipe.store import Store
@@ -79,8 +79,8 @@ class TrainingSamples:
         for prompt in samples.resolved():
             check_prompt(adapter, prompt)
         if samples.prompts and dist.rank == 0:
-            keys = caption_text_keys(adapter, model, text_max_length, prompt_texts(adapter, samples.resolved()))
-            missing = sorted(text for text, key in keys.items() if not store.contains("text", key))
+            keys = sample_text_keys(adapter, model, text_max_length, prompt_texts(adapter, samples.resolved()))
+            missing = sorted({t.text for t, key in keys.items() if not store.contains("text", key)})
             if missing:
                 shown = ", ".join(repr(t) for t in missing[:3]) + (", ..." if len(missing) > 3 else "")
                 shown += "; '' is the empty negative prompt" if "" in missing else ""

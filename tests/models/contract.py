@@ -309,7 +309,7 @@ class AdapterContract:
         from PIL import Image
 
         from diffusion_pipe.params import SamplePrompt
-        from diffusion_pipe.sample.render import check_prompt, prompt_texts, render_prompts
+        from diffusion_pipe.sample.render import check_prompt, encode_sample_texts, prompt_texts, render_prompts
 
         if type(adapter).pipeline_class is Adapter.pipeline_class:
             pytest.skip(f"family '{adapter.name}' does not render samples yet")
@@ -325,16 +325,15 @@ class AdapterContract:
         prompts = (SamplePrompt("a red circle", seed=1, width=width, height=height, frames=frames, steps=2,
                                 guidance=2.0, cfg_scale=2.0, control=controls[0] if controls else ""),)
         check_prompt(adapter, prompts[0])
-        names = prompt_texts(adapter, prompts)
+        others = (dataclasses.replace(prompts[0], control=controls[1]),) if controls else ()
         encoders = adapter.load_text_encoders(cpu)
-        texts = dict(zip(names, adapter.encode_text(encoders, list(names), self.text_max_length)))
+        texts = encode_sample_texts(adapter, encoders, prompt_texts(adapter, prompts + others), self.text_max_length)
         pipe = adapter.sample_pipeline(lora_model[0], adapter.load_vae(cpu))
         first, again = (render_prompts(pipe, adapter, prompts, texts, cpu)[0] for _ in range(2))
         assert first.shape == (frames, height, width, 3)
         assert (first == again).all()
         if controls:
-            other = render_prompts(pipe, adapter, (dataclasses.replace(prompts[0], control=controls[1]),), texts,
-                                   cpu)[0]
+            other = render_prompts(pipe, adapter, others, texts, cpu)[0]
             assert np.abs(other.astype(int) - first.astype(int)).max() > 0
 
     def test_exported_lora_round_trips_into_diffusers_pipeline(self, adapter, lora_model, model_dir):

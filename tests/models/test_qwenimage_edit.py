@@ -134,17 +134,42 @@ def test_a_text_to_image_model_is_refused(tmp_path):
         QwenImageEditAdapter(tmp_path, torch.float32).text_template()
 
 
-def test_caption_dropout_and_samples_are_refused_before_encoding(tmp_path):
-    """Neither is made yet for a family whose captions are read with their control image: encode says so, naming
-    the param, before it reads anything."""
+def test_caption_dropout_is_refused_before_encoding(tmp_path):
+    """Not made yet for a family whose captions are read with their control image: encode says so, naming the
+    param, before it reads anything."""
     from diffusion_pipe.encode.encode import encode_manifest
-    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, SamplePrompt, ScanParams
+    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
 
     QwenImageEditAdapter.build_tiny(tmp_path / "model", seed=0)
     model = ModelParams(family="qwenimage_edit", path=str(tmp_path / "model"), dtype="float32")
-    args = (model, ScanParams(datasets=(DatasetParams(path="data"),)), EncodeParams(), tmp_path / "missing.parquet", tmp_path / "encoded.parquet",
-            tmp_path / "report.json", None)
     with pytest.raises(ConfigError, match="train.caption_dropout: family 'qwenimage_edit' reads each caption"):
-        encode_manifest(*args, caption_dropout=0.1)
-    with pytest.raises(ConfigError, match="train.samples.prompts: family 'qwenimage_edit' cannot render samples"):
-        encode_manifest(*args, sample_prompts=(SamplePrompt("make it blue", control="x.png"),))
+        encode_manifest(model, ScanParams(datasets=(DatasetParams(path="data"),)), EncodeParams(),
+                        tmp_path / "missing.parquet", tmp_path / "encoded.parquet", tmp_path / "report.json", None,
+                        caption_dropout=0.1)
+
+
+def test_a_sample_prompts_text_is_keyed_by_its_control_image_as_a_captions(tiny, tmp_path):
+    """A sample prompt's text read with its control image is keyed as a training caption read with the same image
+    at the same size (so one store entry serves both), another control image or size gives another key, and a
+    family that reads no image keys the text alone."""
+    from PIL import Image
+
+    from diffusion_pipe.encode.encode import caption_text_keys, sample_text_keys, text_image, text_keyer
+    from diffusion_pipe.hashing import hash_file
+    from diffusion_pipe.params import ModelParams, SamplePrompt
+    from diffusion_pipe.sample.render import prompt_texts
+
+    paths = []
+    for i, colour in enumerate(((200, 30, 30), (30, 30, 200))):
+        paths.append(tmp_path / f"c{i}.png")
+        Image.new("RGB", (48, 32), colour).save(paths[-1])
+    model = ModelParams(family="qwenimage_edit", path=str(tiny.model_dir), dtype="float32")
+    prompts = (SamplePrompt("make it blue", control=str(paths[0]), width=48, height=32),
+               SamplePrompt("make it blue", control=str(paths[1]), width=48, height=32),
+               SamplePrompt("make it blue", control=str(paths[0]), width=32, height=32))
+    keys = sample_text_keys(tiny, model, 32, prompt_texts(tiny, prompts))
+    texts = [t for t in keys if t.text == "make it blue"]
+    assert len(texts) == 3 and len({keys[t] for t in texts}) == 3
+    caption_key = text_keyer(tiny, model, 32)("make it blue", text_image(hash_file(paths[0]), "48x32x1", "image"))
+    assert keys[texts[0]._replace(control=str(paths[0]), width=48, height=32)] == caption_key
+    assert caption_key != caption_text_keys(tiny, model, 32, ("make it blue",))["make it blue"]

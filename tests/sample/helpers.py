@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from diffusion_pipe.config import from_dict
-from diffusion_pipe.encode.encode import caption_text_keys
+from diffusion_pipe.encode.encode import sample_text_keys
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import ModelParams, SampleParams
-from diffusion_pipe.sample.render import prompt_texts
+from diffusion_pipe.sample.render import encode_sample_texts, prompt_texts
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.build import LocalModel, build_local_model
 
@@ -48,8 +48,9 @@ def store_prompts(adapter: FluxAdapter, model_dir: Path, samples: SampleParams, 
                   max_length: int = 32) -> None:
     """Embed the prompts into `store` as the encode stage does."""
     encoders = adapter.load_text_encoders(torch.device("cpu"))
-    keys = caption_text_keys(adapter, model_params(model_dir), max_length, prompt_texts(adapter, samples.resolved()))
-    entries = adapter.encode_text(encoders, list(keys), max_length)
+    texts = prompt_texts(adapter, samples.resolved())
+    keys = sample_text_keys(adapter, model_params(model_dir), max_length, texts)
+    entries = encode_sample_texts(adapter, encoders, texts, max_length)
     with store.writer("text") as writer:
-        for key, entry in zip(keys.values(), entries):
-            writer.add(key, entry)
+        for text, key in keys.items():
+            writer.add(key, entries[text])

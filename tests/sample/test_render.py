@@ -11,7 +11,8 @@ from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import SampleParams, TrainParams
 from diffusion_pipe.models.sdxl import SDXLAdapter
-from diffusion_pipe.sample.render import check_prompt, grid, png_bytes, prompt_texts, render_prompts
+from diffusion_pipe.sample.render import (check_prompt, encode_sample_texts, grid, png_bytes, prompt_texts,
+                                          render_prompts)
 from diffusion_pipe.train.samples import sample_steps
 from tests.sample.helpers import sample_params
 
@@ -30,9 +31,11 @@ def test_prompt_defaults_and_the_texts_each_family_renders_from(tiny_flux_dir):
     assert (a.width, a.height, a.steps, a.guidance) == (64, 32, 3, 0.0)
     assert (b.width, b.seed, b.guidance, b.cfg_scale) == (32, 7, 3.5, 1.0)
     # Flux's distilled guidance needs no negative prompt; its true CFG (cfg_scale > 1) needs one, empty or not
-    assert prompt_texts(FluxAdapter(tiny_flux_dir, torch.float32), samples.resolved()) == ("", "a", "b", "c")
+    texts = prompt_texts(FluxAdapter(tiny_flux_dir, torch.float32), samples.resolved())
+    assert [t.text for t in texts] == ["", "a", "b", "c"] and not any(t.control for t in texts)
     # a CFG family embeds every negative prompt
-    assert prompt_texts(SDXLAdapter(tiny_flux_dir, torch.float32), samples.resolved()) == ("", "a", "b", "blurry", "c")
+    assert [t.text for t in prompt_texts(SDXLAdapter(tiny_flux_dir, torch.float32), samples.resolved())] == [
+        "", "a", "b", "blurry", "c"]
 
 
 def test_samples_are_checked_like_every_param():
@@ -59,8 +62,7 @@ def test_rendering_is_deterministic_and_each_prompt_keeps_its_seed(tiny_flux_dir
     pipe = adapter.sample_pipeline(adapter.load_denoiser(cpu), adapter.load_vae(cpu))
     samples = sample_params()
     encoders = adapter.load_text_encoders(cpu)
-    names = prompt_texts(adapter, samples.resolved())
-    texts = dict(zip(names, adapter.encode_text(encoders, list(names), 32)))
+    texts = encode_sample_texts(adapter, encoders, prompt_texts(adapter, samples.resolved()), 32)
     prompts = samples.resolved()
 
     first = render_prompts(pipe, adapter, prompts, texts, cpu)
