@@ -260,7 +260,9 @@ def check_samples(out: Path, adapter: Adapter, seed: int) -> dict[str, float]:
     device = torch.device("cpu")
     pipe = adapter.sample_pipeline(adapter.load_denoiser(device), adapter.load_vae(device))
     pipe.set_progress_bar_config(disable=True)
-    texts = encode_texts(adapter, list(prompt_texts(adapter, resolved)))
+    wanted = prompt_texts(adapter, resolved)
+    encoded = encode_texts(adapter, [t.text for t in wanted])
+    texts = {t: encoded[t.text] for t in wanted}
     pixels = np.stack([frames[0] for frames in render_prompts(pipe, adapter, resolved, texts, device)])
     named = {c: [] for c in BASE_COLOURS}
     others = {c: [] for c in BASE_COLOURS}

@@ -551,7 +551,10 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
             t0 = time.perf_counter()
             missing = store.missing(fam, keys)
             counts[fam].reused_local = len(keys) - len(missing)
-            mine = workers.share(missing)
+            # Shares are cut from the wanted keys, which every worker plans alike, not from what this worker
+            # finds missing: another worker may already have published some, and shares of two different
+            # lists would leave keys that nobody computes.
+            mine = store.missing(fam, workers.share(keys))
             if remote is not None and mine:
                 counts[fam].fetched_remote = _remote_call(
                     remote, "download from", lambda fam=fam, mine=mine: store.pull(remote, fam, mine))

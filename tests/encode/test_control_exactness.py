@@ -83,8 +83,10 @@ def test_a_family_without_conditioning_refuses_a_control_dataset(tmp_path: Path)
 @pytest.mark.slow  # about 60 s here: three encode runs through dvc repro
 def test_a_text_encoder_that_reads_the_control_image_recomputes_exactly_its_entries(tmp_path: Path) -> None:
     """qwenimage_edit's text entries are per (caption, control image): 36 pairs give 36 entries (12 captions).
-    Editing a control image recomputes its latent and its pair's text entry; editing a caption recomputes that
-    pair's text entry and no latent."""
+    The example's two sample prompts are two pairs' captions read with their control images at the training size,
+    so they share those pairs' entries; their negative prompts, read with the same images, are 2 entries more.
+    Editing a control image recomputes its latent, its pair's text entry and the negative prompt of the sample that
+    reads it; editing a caption recomputes that pair's text entry and no latent."""
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store)
     params = (REPO / "examples/qwenimage_edit-tiny/params.yaml").read_text().replace(
@@ -92,7 +94,7 @@ def test_a_text_encoder_that_reads_the_control_image_recomputes_exactly_its_entr
     (repo / "params.yaml").write_text(params)
 
     assert reproduce(repo, store, "encode") == ["scan", "encode"]
-    assert encode_counts(repo) == _counts((54, 0), (36, 0))
+    assert encode_counts(repo) == _counts((54, 0), (38, 0))
     before = {r["sample_id"]: r for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()}
 
     with Image.open(repo / CONTROL) as im:
@@ -100,7 +102,7 @@ def test_a_text_encoder_that_reads_the_control_image_recomputes_exactly_its_entr
     edited.putpixel((0, 0), (0, 0, 0))
     edited.save(repo / CONTROL)
     assert reproduce(repo, store, "encode") == ["scan", "encode"]
-    assert encode_counts(repo) == _counts((1, 54), (1, 35))  # the pair's old entry is no longer wanted
+    assert encode_counts(repo) == _counts((1, 54), (2, 36))  # the old entries they replace are no longer wanted
     after = {r["sample_id"]: r for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()}
     changed = [sid for sid in after if after[sid] != before[sid]]
     assert changed == ["recolour/000_circle_red_to_green_on_white.png@64x64x1"]
@@ -109,4 +111,4 @@ def test_a_text_encoder_that_reads_the_control_image_recomputes_exactly_its_entr
     caption = repo / EXAMPLE / "data/005_circle_green_to_blue_on_gray.txt"
     caption.write_text(caption.read_text() + " please")
     assert reproduce(repo, store, "encode") == ["scan", "encode"]
-    assert encode_counts(repo) == _counts((0, 55), (1, 35))
+    assert encode_counts(repo) == _counts((0, 55), (1, 37))

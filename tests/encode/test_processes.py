@@ -101,12 +101,28 @@ def test_two_workers_under_torchrun_split_the_missing_keys(tmp_path: Path) -> No
     report = json.loads((repo / "reports/encode.json").read_text())
     assert report["workers"] == 2
     for fam in ("latent", "text"):
-        # rank 0 computed every other missing key; the rest came from rank 1 through the store
-        assert report[fam]["computed"] == 18 and report[fam]["by_other_workers"] == 18
+        # rank 0 computed every other key; the rest came from rank 1 through the store, seen before rank 0
+        # looked (reused) or while it waited
+        assert report[fam]["computed"] == 18
+        assert report[fam]["reused_local"] + report[fam]["by_other_workers"] == 18
     assert "encode worker 1/2: latent computed 18" in result.stderr
     store = Store(store_dir)
     _all_keys_present(repo, store)
     assert store.verify() == []
+
+
+def test_a_worker_that_starts_after_another_published_still_gets_every_key(tmp_path: Path) -> None:
+    """Worker 1 of 2 publishes its share before worker 0 has looked at the store (one slow to load its encoders):
+    worker 0 still computes exactly its own share and finds the rest, rather than splitting a shorter missing list
+    and waiting for keys no worker computes."""
+    repo, store_dir = _scanned_repo(tmp_path, {"workers: 0": "workers: 0\n  remote: ''\n  worker_stall_timeout_s: 20"})
+    for rank in ("1", "0"):
+        run_checked([sys.executable, "-m", "stages.encode"], cwd=repo,
+                    env=run_env(store_dir) | {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, timeout=300)
+    report = json.loads((repo / "reports/encode.json").read_text())
+    for fam in ("latent", "text"):
+        assert report[fam]["computed"] == 18 and report[fam]["reused_local"] == 18
+    _all_keys_present(repo, Store(store_dir))
 
 
 @pytest.mark.parametrize("rank_env", [{"RANK": "2", "WORLD_SIZE": "2"}, {"RANK": "x", "WORLD_SIZE": "2"}])

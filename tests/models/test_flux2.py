@@ -95,14 +95,14 @@ class TestFlux2Contract(AdapterContract):
         """A sample prompt renders from its own text entry alone (the distilled guidance takes no negative prompt),
         and its guidance reaches the render."""
         from diffusion_pipe.params import SamplePrompt
-        from diffusion_pipe.sample.render import render_prompts
+        from diffusion_pipe.sample.render import SampleText, render_prompts
 
         prompts = tuple(SamplePrompt("a red circle", seed=1, width=32, height=32, frames=1, steps=2, guidance=g,
                                      negative_prompt="blurry", cfg_scale=2.0) for g in (1.0, 6.0))
         assert adapter.sample_texts(prompts[0]) == ("a red circle",)
         (entry,) = adapter.encode_text(adapter.load_text_encoders(CPU), ["a red circle"], self.text_max_length)
         pipe = adapter.sample_pipeline(lora_model[0], adapter.load_vae(CPU))
-        low, high = render_prompts(pipe, adapter, prompts, {"a red circle": entry}, CPU)
+        low, high = render_prompts(pipe, adapter, prompts, {SampleText("a red circle"): entry}, CPU)
         assert np.abs(low.astype(int) - high.astype(int)).max() > 0
 
     @pytest.mark.parametrize("cls, guidance_embeds, family", [(Flux2Adapter, False, "flux2_klein"),

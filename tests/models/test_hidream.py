@@ -135,13 +135,12 @@ class TestHiDreamContract(AdapterContract):
         together give what each renders alone, at the size asked for (HiDreamImagePipeline alone would scale the
         request to its default area)."""
         from diffusion_pipe.params import SamplePrompt
-        from diffusion_pipe.sample.render import render_prompts
+        from diffusion_pipe.sample.render import encode_sample_texts, prompt_texts, render_prompts
 
         cpu = torch.device("cpu")
         prompts = tuple(SamplePrompt(text, seed=seed, width=48, height=32, steps=2, guidance=2.0)
                         for text, seed in (("a red circle", 1), ("a blue square on a black background", 2)))
-        names = ["a red circle", "a blue square on a black background", ""]
-        texts = dict(zip(names, adapter.encode_text(adapter.load_text_encoders(cpu), names, 16)))
+        texts = encode_sample_texts(adapter, adapter.load_text_encoders(cpu), prompt_texts(adapter, prompts), 16)
         pipe = adapter.sample_pipeline(lora_model[0], adapter.load_vae(cpu))
         together = render_prompts(pipe, adapter, prompts, texts, cpu)
         alone = [render_prompts(pipe, adapter, (p,), texts, cpu)[0] for p in prompts]

@@ -119,13 +119,12 @@ def test_prompts_render_as_one_batch(tiny):
     """ZImagePipeline takes a list of embeddings per prompt: prompts batched together each get their own image,
     the same as rendered alone."""
     from diffusion_pipe.params import SamplePrompt
-    from diffusion_pipe.sample.render import render_prompts
+    from diffusion_pipe.sample.render import encode_sample_texts, prompt_texts, render_prompts
 
     cpu = torch.device("cpu")
     prompts = tuple(SamplePrompt(prompt=p, seed=s, width=32, height=32, frames=1, steps=2, guidance=0.0,
                                  cfg_scale=1.0) for p, s in (("a red circle", 1), ("a blue square", 2)))
-    texts = dict(zip(["a red circle", "a blue square", ""],
-                     tiny.encode_text(tiny.load_text_encoders(cpu), ["a red circle", "a blue square", ""], 16)))
+    texts = encode_sample_texts(tiny, tiny.load_text_encoders(cpu), prompt_texts(tiny, prompts), 16)
     pipe = tiny.sample_pipeline(tiny.load_denoiser(cpu), tiny.load_vae(cpu))
     together = render_prompts(pipe, tiny, prompts, texts, cpu)
     alone = [render_prompts(pipe, tiny, (p,), texts, cpu)[0] for p in prompts]
