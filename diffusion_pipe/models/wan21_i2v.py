@@ -11,8 +11,9 @@ encoder and processor, made by the pipeline's own `encode_image` of the first fr
 frame the condition latent starts from: the clip's window's own, or the dataset's control image).
 
 The image processor is CLIPImageProcessorPil (transformers' own fallback without torchvision: entries do not depend
-on what is installed). Not yet, each refused naming its param: samples and caption dropout (their entries would be
-read with a first frame), the first-last-frame checkpoint (FLF2V: two images' embeddings).
+on what is installed). Samples render from each prompt's control image, whose CLIP states its text entries hold.
+Not yet, each refused naming its param: caption dropout (an empty caption per first frame), the first-last-frame
+checkpoint (FLF2V: two images' embeddings).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
+from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component
 from diffusion_pipe.models.qwenimage_edit import _pixels_to_pil
 from diffusion_pipe.models.wan import WanAdapter, WanTextEncoder
@@ -122,8 +123,26 @@ class Wan21I2VAdapter(WanI2VAdapter):
                 text["image_embeds"].to(self.dtype))
 
     # ---- sample side -------------------------------------------------------------------------------
-    # Not yet: a sample prompt's text entry would be read with its first frame. The base's refusal.
-    pipeline_class = Adapter.pipeline_class
+    sample_shared_inputs: ClassVar[tuple[str, ...]] = ("image_embeds",)  # the pipeline repeats them per prompt
+
+    def pipeline_class(self) -> type:
+        """WanImageToVideoPipeline, taking the first frame (for its condition latent) and its stored CLIP states
+        together, which its input check refuses (it expects one or the other): rendering loads no image encoder."""
+        from diffusers import WanImageToVideoPipeline
+
+        class StoredImageEmbedsPipeline(WanImageToVideoPipeline):
+            def check_inputs(self, prompt, negative_prompt, image, height, width, prompt_embeds=None,
+                             negative_prompt_embeds=None, image_embeds=None, *args, **kwargs):
+                return super().check_inputs(prompt, negative_prompt, image, height, width, prompt_embeds,
+                                            negative_prompt_embeds, None, *args, **kwargs)
+
+        return StoredImageEmbedsPipeline
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """Wan's, and the CLIP states of the prompt's first frame (its text entry was read with it), which
+        WanImageToVideoPipeline takes as `image_embeds` instead of encoding the image itself."""
+        return {**super().sample_inputs(text, negative, guidance, cfg_scale),
+                "image_embeds": text["image_embeds"][None].to(self.dtype)}
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

@@ -95,7 +95,8 @@ def render_prompts(pipe: object, adapter: Adapter, prompts: tuple[SamplePrompt, 
         calls = [adapter.sample_inputs(texts[sample_text(adapter, p, p.prompt)],
                                        texts.get(sample_text(adapter, p, p.negative_prompt)), guidance, cfg_scale)
                  for p in (prompts[i] for i in members)]
-        kwargs = {k: _join([c[k] for c in calls], device) for k in calls[0]}
+        kwargs = {k: _join([c[k] for c in calls], device) if k not in adapter.sample_shared_inputs else
+                  calls[0][k].to(device) for k in calls[0]}
         if control:  # the image the group's prompts edit (or start from), read once for the batch
             kwargs |= adapter.sample_control_inputs(control_image(control, width, height))
         if "video" in adapter.capabilities.media:

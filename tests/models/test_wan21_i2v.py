@@ -203,14 +203,40 @@ def test_wan_i2v_and_wan21_i2v_refuse_each_others_checkpoints(model_dir, tmp_pat
         Wan21I2VAdapter(model_dir, torch.float32, expert="high")
 
 
-def test_caption_dropout_and_samples_are_refused_before_encoding(model_dir, tmp_path):
+def test_caption_dropout_is_refused_before_encoding(model_dir, tmp_path):
     from diffusion_pipe.encode.encode import encode_manifest
-    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, SamplePrompt, ScanParams
+    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
 
     model = ModelParams(family="wan21_i2v", path=str(model_dir), dtype="float32")
     args = (model, ScanParams(datasets=(DatasetParams(path="data"),)), EncodeParams(text_max_length=512),
             tmp_path / "missing.parquet", tmp_path / "encoded.parquet", tmp_path / "report.json", None)
     with pytest.raises(ConfigError, match="train.caption_dropout: family 'wan21_i2v' reads each caption"):
         encode_manifest(*args, caption_dropout=0.1)
-    with pytest.raises(ConfigError, match="train.samples.prompts: family 'wan21_i2v' cannot render samples"):
-        encode_manifest(*args, sample_prompts=(SamplePrompt("a cat", control="x.png"),))
+
+
+def test_samples_render_as_the_pipeline_does_from_the_image_itself(adapter, encoders, pipe, tmp_path):
+    """A sample renders from its stored text entry, whose CLIP states were read from the prompt's control image,
+    with no image encoder loaded: the pixels WanImageToVideoPipeline gives when it encodes that image itself. Two
+    prompts on one image render as one batch, each as it renders alone."""
+    from diffusion_pipe.params import SamplePrompt
+    from diffusion_pipe.sample.render import (control_image, encode_sample_texts, prompt_texts, render_prompts,
+                                              sample_text)
+
+    control = tmp_path / "first.png"
+    Image.fromarray(_image(3)).save(control)
+    prompts = tuple(SamplePrompt(text, seed=seed, width=48, height=32, frames=5, steps=2, guidance=2.0,
+                                 control=str(control))
+                    for text, seed in (("a red circle", 1), ("a blue square", 2)))
+    cpu = torch.device("cpu")
+    texts = encode_sample_texts(adapter, encoders, prompt_texts(adapter, prompts), 512)
+    bare = adapter.sample_pipeline(pipe.transformer, pipe.vae)
+    bare.set_progress_bar_config(disable=True)
+    together = render_prompts(bare, adapter, prompts, texts, cpu)
+    for prompt, batched in zip(prompts, together):
+        (alone,) = render_prompts(bare, adapter, (prompt,), texts, cpu)
+        assert np.abs(alone.astype(int) - batched.astype(int)).max() <= 1
+    positive, negative = (texts[sample_text(adapter, prompts[0], t)]["t5"][None] for t in ("a red circle", ""))
+    stock = pipe(image=control_image(str(control), 48, 32), prompt_embeds=positive, negative_prompt_embeds=negative,
+                 guidance_scale=2.0, height=32, width=48, num_frames=5, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator("cpu").manual_seed(1)).frames[0]
+    assert np.abs((np.clip(stock, 0, 1) * 255).round().astype(int) - together[0].astype(int)).max() <= 1
