@@ -59,6 +59,28 @@ REAL: dict[str, dict] = {
         "configs": {"vae": {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    "ideogram4": {  # ideogram-ai/ideogram-4-fp8, 9.3B: Ideogram4Transformer2DModel's defaults are its shape
+        "transformer": dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18,
+                            intermediate_size=12288, adaln_dim=512, llm_features_dim=53248, rope_theta=5_000_000,
+                            mrope_section=(24, 20, 20), norm_eps=1e-5),
+        "configs": {"vae": {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32}},
+        "media": (1024, 1024, 1), "text_len": 256,
+    },
+    "kandinsky5": {  # kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers, about 2B (regular attention)
+        "transformer": dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=512,
+                            patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168, num_text_blocks=2, num_visual_blocks=32,
+                            axes_dims=(16, 24, 24), visual_cond=True, attention_type="regular"),
+        "configs": {"vae": {"latent_channels": 16, "spatial_compression_ratio": 8, "temporal_compression_ratio": 4,
+                            "scaling_factor": 0.476986}},
+        "media": (832, 480, 33), "text_len": 256,
+    },
+    "kandinsky5_image": {  # kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers, about 6B
+        "transformer": dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=512,
+                            patch_size=(1, 2, 2), model_dim=2560, ff_dim=10240, num_text_blocks=2, num_visual_blocks=50,
+                            axes_dims=(32, 48, 48), visual_cond=False, attention_type="regular"),
+        "configs": {"vae": {**_FLUX_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "krea2": {  # krea/Krea-2-Raw, about 12.6B: Krea2Transformer2DModel's defaults are its shape
         "transformer": dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
                             num_key_value_heads=12, intermediate_size=16384, timestep_embed_dim=256,
@@ -127,6 +149,20 @@ REAL: dict[str, dict] = {
                     "text_encoder": {"d_model": 4096}},
         "vae_stats": 128,  # LTX keeps latents_mean/std among the VAE's weights, not in its config
         "media": (832, 480, 33), "text_len": 128,
+    },
+    "ltx2": {  # Lightricks/LTX-2 (LTX-2.0), 18.9B: 48 blocks of a 4096-wide video and a 2048-wide audio stream;
+        # trained on video (the audio stream runs on an empty sequence); 121 frames at 768x512 is LTX2Pipeline's default
+        "transformer": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                            attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32),
+                            audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32,
+                            audio_attention_head_dim=64, audio_cross_attention_dim=2048, num_layers=48,
+                            caption_channels=3840, rope_type="split", rope_double_precision=True),
+        "configs": {"vae": {"latent_channels": 128, "spatial_compression_ratio": 32, "temporal_compression_ratio": 8,
+                            "scaling_factor": 1.0},
+                    "connectors": {"video_connector_num_attention_heads": 30, "video_connector_attention_head_dim": 128,
+                                   "video_connector_num_learnable_registers": 128}},
+        "vae_stats": 128,
+        "media": (768, 512, 121), "text_len": 1024,
     },
     "sd3": {  # stabilityai/stable-diffusion-3.5-large, 8.1B
         "transformer": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
@@ -253,10 +289,16 @@ def write_model_dir(family: str, root: Path, shape: str, device: str, vae: dict 
 
 
 def random_entry(spec: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random tensors of a latent or text spec; masks (names ending in 'mask') are all ones: every token real,
-    the most work a caption of that length can cost."""
-    return {name: (torch.ones(shape) if name.endswith("mask") else torch.randn(shape, generator=generator))
-            .to(getattr(torch, dtype)) for name, (shape, dtype) in spec.items()}
+    """Random tensors of a latent or text spec; masks (names ending in 'mask') are all ones and a length
+    (`<name>_len`) is that of its `<name>`: every token real, the most work a caption of that length can cost."""
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("mask"):
+            return torch.ones(shape)
+        if name.endswith("_len") and name.removesuffix("_len") in spec:
+            return torch.full(shape, spec[name.removesuffix("_len")][0][0])
+        return torch.randn(shape, generator=generator)
+
+    return {name: value(name, shape).to(getattr(torch, dtype)) for name, (shape, dtype) in spec.items()}
 
 
 def fill_store(store_root: Path, encoded: Path, adapter, media: tuple[int, int, int], text_len: int, n: int,

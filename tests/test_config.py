@@ -108,7 +108,9 @@ def test_shipped_example_params_load(path):
                                      "zimage-tiny", "hunyuan_video-tiny", "hunyuan_video15-tiny",
                                      "flux_kontext-tiny", "concept-tiny", "concept-sdxl-tiny", "concept-wan-tiny",
                                      "wan_ti2v-tiny", "wan_i2v-tiny", "skyreels_v2-tiny", "krea2-tiny", "ernie_image-tiny",
-                                     "hunyuan_image-tiny", "hidream-tiny", "qwenimage_edit-tiny", "wan21_i2v-tiny"])
+                                     "hunyuan_image-tiny", "hidream-tiny", "qwenimage_edit-tiny", "wan21_i2v-tiny",
+                                     "kandinsky5-tiny", "kandinsky5_image-tiny",
+                                     "ltx2-tiny", "ideogram4-tiny"])
 def test_each_bundled_example_runs_by_copying_its_params(example):
     """Switching examples is a params-only change: every path an example's params point at is a dep of the
     stages that read it in the repository's dvc.yaml."""

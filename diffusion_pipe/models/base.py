@@ -44,6 +44,9 @@ class Capabilities:
     # encoder sees the image to edit): text entries are then per (caption, image), keyed by both, and made by
     # `Adapter.encode_conditioned_text`.
     text_reads_conditioning: bool = False
+    # Media the model generates that the family does not train (LTX-2's audio, generated with its video): the
+    # models table says "no audio" beside `media`.
+    untrained_media: tuple[str, ...] = ()
 
     @property
     def all_objectives(self) -> tuple[str, ...]:
@@ -295,6 +298,11 @@ class Adapter(ABC):
         """Whether every sample prompt renders from an image (`SamplePrompt.control`): edit families (the image to
         edit) and image-to-video ones (the first frame)."""
         return self.capabilities.conditioning_latents > 0
+
+    # Keys of `sample_inputs` the pipeline takes once for a whole batch of prompts (Wan 2.1 I2V's image embeddings,
+    # which it repeats per prompt): the prompts of a batch share their control image, so the first prompt's value
+    # is passed rather than all of them joined.
+    sample_shared_inputs: ClassVar[tuple[str, ...]] = ()
 
     def sample_control_inputs(self, image: object) -> dict:
         """The pipeline call's keyword arguments that carry one prompt's control image (a PIL image already at the

@@ -45,7 +45,8 @@ def capability_table() -> str:
         # Adapters do no work in __init__ and their default targets are constants: no model files needed.
         targets = cls(Path(), torch.float32).default_lora_targets
         samples = "yes" if cls.pipeline_class is not Adapter.pipeline_class else "-"
-        rows.append(f"| {family} | {', '.join(caps.media)} | {', '.join(caps.tasks)} | "
+        media = ", ".join(caps.media) + "".join(f" (no {m})" for m in caps.untrained_media)
+        rows.append(f"| {family} | {media} | {', '.join(caps.tasks)} | "
                     f"{', '.join(OBJECTIVE_NAMES[o] for o in caps.all_objectives)} | "
                     f"{', '.join(f'`{t}`' for t in targets)} | {', '.join(caps.export_formats)} | {samples} | "
                     f"{tested_by(family)} |")

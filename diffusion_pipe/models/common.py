@@ -176,6 +176,42 @@ def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: s
     return tokenizer
 
 
+def image_only_qwen2vl_processor(processor_dir: Path) -> object:
+    """The Qwen2VLProcessor saved in `processor_dir` (its tokenizer and image processor), without the video
+    processor: transformers builds the stock one only with torchvision (its video processor needs it). The image
+    processor is the PIL one, on a machine with torchvision too, so text keys and entries do not depend on what is
+    installed. Pipelines that take the processor as their Qwen2.5-VL tokenizer (Qwen-Image-Edit, Kandinsky 5) call
+    it on text and images only."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2VLProcessor for images only: its attributes are the ones this signature names."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
+                                     tokenizer=AutoTokenizer.from_pretrained(processor_dir))
+
+
+def vae_latent_stats(model_dir: Path, model_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A VAE's `latents_mean` / `latents_std` buffers, stored with its weights rather than in its config (LTX-Video's
+    and LTX-2's), and its config's `scaling_factor`; `model_name` names the model in the error for a folder
+    without weights."""
+    import json
+
+    from safetensors import safe_open
+
+    path = next(iter(sorted((model_dir / "vae").glob("*.safetensors"))), None)
+    if path is None:
+        raise FileNotFoundError(f"{model_dir / 'vae'}: no .safetensors weights; model.path must be a "
+                                f"diffusers-format {model_name} model")
+    with safe_open(str(path), framework="pt") as f:
+        mean, std = f.get_tensor("latents_mean"), f.get_tensor("latents_std")
+    config = json.loads((model_dir / "vae" / "config.json").read_text())
+    return mean.float(), std.float(), float(config.get("scaling_factor", 1.0))
+
+
 def attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
     """A main layer's attention mask from the one its family's first layer sends over the joint sequence: None for
     a (B, 1) mask, which stands for "no item is padded". The transformers (Z-Image, Lumina 2) pass None then, and

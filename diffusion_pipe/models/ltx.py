@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers
+from diffusion_pipe.models.common import dtype_name, load_component, save_tiny_tokenizers, vae_latent_stats
 from diffusion_pipe.models.wan import TopLevelParameters
 
 # LTXPipeline's default `frame_rate`: the temporal rotary scale is vae_temporal_ratio / frame_rate, so the
@@ -158,15 +158,7 @@ class LTXAdapter(Adapter):
     def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """The VAE's `latents_mean` / `latents_std` buffers (stored with its weights, not in its config) and
         its `scaling_factor`."""
-        from safetensors import safe_open
-
-        path = next(iter(sorted((self.model_dir / "vae").glob("*.safetensors"))), None)
-        if path is None:
-            raise FileNotFoundError(f"{self.model_dir / 'vae'}: no .safetensors weights; model.path must be a "
-                                    "diffusers-format LTX-Video model")
-        with safe_open(str(path), framework="pt") as f:
-            mean, std = f.get_tensor("latents_mean"), f.get_tensor("latents_std")
-        return mean.float(), std.float(), float(self.component_config("vae").get("scaling_factor", 1.0))
+        return vae_latent_stats(self.model_dir, "LTX-Video")
 
     def normalise_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """LTXPipeline._normalize_latents, which its image-to-video path applies to encoded frames, per item."""

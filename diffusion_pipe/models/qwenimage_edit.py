@@ -34,23 +34,11 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, load_component
+from diffusion_pipe.models.common import PipelineTextEncoder, image_only_qwen2vl_processor, load_component
 from diffusion_pipe.models.flux import pack_latents, unpack_latents
 from diffusion_pipe.models.qwenimage import MODEL_INDEX, QwenImageAdapter
 
 PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-
-
-def _processor_class() -> type:
-    from transformers import Qwen2VLProcessor
-
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-        """Qwen2VLProcessor for images only: its attributes are the ones this signature names."""
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    return ImageOnlyQwen2VLProcessor
 
 
 def _pixels_to_pil(pixels_C1HW: torch.Tensor) -> object:
@@ -110,13 +98,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
                            "image_processor": "Qwen2VLImageProcessorPil"})
 
     def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
         encoder = load_component(Qwen2_5_VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype,
                                  device)
-        processor_dir = self.model_dir / "processor"
-        processor = _processor_class()(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
-                                       tokenizer=AutoTokenizer.from_pretrained(processor_dir))
+        processor = image_only_qwen2vl_processor(self.model_dir / "processor")
         return PipelineTextEncoder(self._text_pipeline(encoder, processor))
 
     def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
