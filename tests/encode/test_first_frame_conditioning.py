@@ -180,7 +180,8 @@ def test_a_declared_first_frame_is_encoded_by_the_rule_and_replaces_the_clips_ow
 def test_wan21_i2v_text_entries_read_each_windows_first_frame(tmp_path: Path) -> None:
     """wan21_i2v's text entries are per (caption, window's first frame): the example's 16 windows of 8 captions
     are 16 entries, each holding Wan's UMT5 states of its caption and the CLIP embedding of its window's first
-    frame as the adapter reads it. An edited caption recomputes its clip's two entries and no latent; a re-encoded
+    frame as the adapter reads it; its two sample prompts and their negative prompts, each read with the prompt's
+    first frame, are 4 more. An edited caption recomputes its clip's two entries and no latent; a re-encoded
     clip its windows' latents, conditions and entries, nothing else."""
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store, dvc=False)
@@ -195,7 +196,7 @@ def test_wan21_i2v_text_entries_read_each_windows_first_frame(tmp_path: Path) ->
         report = json.loads((repo / "reports/encode.json").read_text())
         return {fam: (report[fam]["computed"], report[fam]["reused_local"]) for fam in ("latent", "text")}
 
-    assert scan_and_encode() == {"latent": (32, 0), "text": (16, 0)}  # 16 windows and their 16 conditions
+    assert scan_and_encode() == {"latent": (32, 0), "text": (20, 0)}  # 16 windows and their 16 conditions
     table = pq.read_table(repo / "data/encoded.parquet").to_pylist()
     assert len(table) == 16 and len({r["text_key"] for r in table}) == 16
     model = from_dict(ModelParams, {"family": "wan21_i2v", "path": str(repo / "examples/wan21_i2v-tiny/model"),
@@ -214,7 +215,7 @@ def test_wan21_i2v_text_entries_read_each_windows_first_frame(tmp_path: Path) ->
 
     caption = data / "v0_red.txt"
     caption.write_text(caption.read_text().strip() + " slowly\n")
-    assert scan_and_encode() == {"latent": (0, 32), "text": (2, 14)}
+    assert scan_and_encode() == {"latent": (0, 32), "text": (2, 18)}
     make_moving_shapes_videos(tmp_path / "other", frames=9, fps=4)
     shutil.copy(tmp_path / "other/v1_green.mp4", data / "v1_green.mp4")
-    assert scan_and_encode() == {"latent": (4, 28), "text": (2, 14)}
+    assert scan_and_encode() == {"latent": (4, 28), "text": (2, 18)}
