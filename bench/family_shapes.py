@@ -52,6 +52,14 @@ REAL: dict[str, dict] = {
                             "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    "qwenimage21": {  # Qwen/Qwen-Image-2.1, about 7.2B: no published config found, so QwenImage21Transformer2DModel's
+        # defaults (diffusers 0.42.1), which its docs load from that repo; text: the Qwen3-VL-8B hidden width (4096)
+        "transformer": dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
+                            num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
+                            causal_condition=True),
+        "configs": {"vae": {"z_dim": 64, "latents_mean": [0.0] * 64, "latents_std": [1.0] * 64}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "ernie_image": {  # baidu/ERNIE-Image: ErnieImageTransformer2DModel's defaults are its shape
         "transformer": dict(hidden_size=3072, num_attention_heads=24, num_layers=24, ffn_hidden_size=8192,
                             in_channels=128, out_channels=128, patch_size=1, text_in_dim=2560,

@@ -448,6 +448,17 @@ MUTATIONS: list[Mutation] = [
     Mutation("qwenimage-edit-control-grid-of-target", "diffusion_pipe/models/qwenimage_edit.py",
              "torch.cat((grid, control_grid), dim=1))", "torch.cat((grid, grid), dim=1))",
              ("tests/models/test_qwenimage_edit.py",), "control tokens placed on the target's grid"),
+    Mutation("qwenimage21-text-not-trimmed", "diffusion_pipe/models/qwenimage21.py",
+             'length = longest_caption(text["prompt_mask"])', 'length = text["prompt_mask"].shape[1]',
+             ("tests/models/test_qwenimage21.py",),
+             "Qwen-Image 2.1's text kept at text_max_length: the padding moves the image's rotary position"),
+    Mutation("qwenimage21-alpha-transparent", "diffusion_pipe/models/qwenimage21.py",
+             "torch.cat((pixels, torch.ones_like(pixels[:, :1])), dim=1)",
+             "torch.cat((pixels, -torch.ones_like(pixels[:, :1])), dim=1)", ("tests/models/test_qwenimage21.py",),
+             "the RGBA VAE reads training images as transparent, where the pipeline's are opaque"),
+    Mutation("qwenimage21-comfyui-up-rows-first", "diffusion_pipe/models/qwenimage21.py",
+             '[0 if proj == "gate_layer" else 1]', '[1 if proj == "gate_layer" else 0]',
+             ("tests/models/test_qwenimage21.py",), "ComfyUI's fused gate_up LoRA with the up rows before the gate's"),
 ]
 
 

@@ -33,6 +33,7 @@ REGISTRY: dict[str, str] = {
     "ltx2": "diffusion_pipe.models.ltx2:LTX2Adapter",
     "lumina2": "diffusion_pipe.models.lumina2:Lumina2Adapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
+    "qwenimage21": "diffusion_pipe.models.qwenimage21:QwenImage21Adapter",
     "qwenimage_edit": "diffusion_pipe.models.qwenimage_edit:QwenImageEditAdapter",
     "sd3": "diffusion_pipe.models.sd3:SD3Adapter",
     "sdxl": "diffusion_pipe.models.sdxl:SDXLAdapter",
