@@ -63,9 +63,10 @@ def qwen3vl_processor(processor_dir: Path) -> object:
 class QwenImage21Embed(nn.Module):
     """First layer: QwenImage21Transformer2DModel.forward up to its blocks, for [text, target image]: the joint
     sequence, its rotary table (as a real view), the shared modulation and the time embedding (with the extra t = 0 row
-    the text is modulated by, under `causal_condition`), each token's image block id (-1 for text) and target mark, and
-    the keys attention may read (a (B, 1) tensor when no caption is padded: no mask, as the pipeline passes none).
-    Returns (joint, rotary, temb, modulation, image_ids, target, key_valid)."""
+    the text is modulated by, under `causal_condition`), the prefix's image block ids (all -1: the prefix is the text;
+    its length is the prefix's, which the blocks read from the shape), each token's target mark, and the keys
+    attention may read (a (B, 1) tensor when no caption is padded: no mask, as the pipeline passes none).
+    Returns (joint, rotary, temb, modulation, prefix_ids, target, key_valid)."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
@@ -97,15 +98,17 @@ class QwenImage21Embed(nn.Module):
             key_valid = text_mask.new_ones(b, 1)
         else:
             key_valid = torch.cat((text_mask, text_mask.new_ones(b, tokens.shape[1])), dim=1)
-        return (joint, torch.view_as_real(rotary).contiguous(), temb, modulation, image_ids,
+        return (joint, torch.view_as_real(rotary).contiguous(), temb, modulation, image_ids[:n].contiguous(),
                 target.to(torch.int32), key_valid.to(torch.int32))
 
 
 class QwenImage21Block(nn.Module):
     """One single-stream block under the block-causal mask (text causal, the image bidirectional and reading all the
-    text), through the default attention processor's segments, which diffusers' own `_qwenimage21_prefix_segments`
-    derives from the block ids (a small host read per block, as the transformer makes once per forward); takes and
-    returns (joint, rotary, temb, modulation, image_ids, target, key_valid)."""
+    text), through the default attention processor's segments. For text-to-image the prefix is the text alone, one
+    causal run: what diffusers' `_qwenimage21_prefix_segments` derives from the block ids, here from the prefix's
+    length, a shape, so that no block waits on the device (that function and the prefix's length each read a tensor
+    back to the host; the transformer does it once per forward, a pipeline layer would per block). Takes and returns
+    (joint, rotary, temb, modulation, prefix_ids, target, key_valid)."""
 
     def __init__(self, block: nn.Module, causal_condition: bool) -> None:
         super().__init__()
@@ -113,17 +116,13 @@ class QwenImage21Block(nn.Module):
         self.causal_condition = causal_condition
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_prefix_segments
-
-        joint, rotary, temb, modulation, image_ids, target, key_valid = inputs
-        target_mask = target.bool()
-        prefix_len = int((~target_mask).sum())
+        joint, rotary, temb, modulation, prefix_ids, target, key_valid = inputs
         joint = self.block(
             hidden_states=joint, modulation=modulation, rotary_emb=torch.view_as_complex(rotary),
-            attention_mask=None, target_token_mask=target_mask if self.causal_condition else None,
-            segments=_qwenimage21_prefix_segments(image_ids, prefix_len),
+            attention_mask=None, target_token_mask=target.bool() if self.causal_condition else None,
+            segments=[(0, prefix_ids.shape[0], True)],
             key_valid=None if key_valid.shape[1] == 1 else key_valid.bool())
-        return joint, rotary, temb, modulation, image_ids, target, key_valid
+        return joint, rotary, temb, modulation, prefix_ids, target, key_valid
 
 
 class QwenImage21Out(nn.Module):
