@@ -176,22 +176,25 @@ def save_tiny_qwen_tokenizer(out_dir: Path, template: str = "", chat_template: s
     return tokenizer
 
 
-def image_only_qwen2vl_processor(processor_dir: Path) -> object:
-    """The Qwen2VLProcessor saved in `processor_dir` (its tokenizer and image processor), without the video
-    processor: transformers builds the stock one only with torchvision (its video processor needs it). The image
-    processor is the PIL one, on a machine with torchvision too, so text keys and entries do not depend on what is
-    installed. Pipelines that take the processor as their Qwen2.5-VL tokenizer (Qwen-Image-Edit, Kandinsky 5) call
-    it on text and images only."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+def image_only_qwen_vl_processor(processor_dir: Path, processor: str = "Qwen2VLProcessor") -> object:
+    """The Qwen-VL processor `processor` (transformers' Qwen2VLProcessor or Qwen3VLProcessor) saved in
+    `processor_dir` (its tokenizer, chat template and image processor), without the video processor: transformers
+    builds the stock one only with torchvision (its video processor needs it). The image processor is the PIL one, on
+    a machine with torchvision too, so text keys and entries do not depend on what is installed. Pipelines that take
+    the processor as their VL model's tokenizer (Qwen-Image-Edit and 2.1, Kandinsky 5) call it on text and images
+    only."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-        """Qwen2VLProcessor for images only: its attributes are the ones this signature names."""
+    class ImageOnlyProcessor(getattr(transformers, processor)):
+        """The processor for text and images only: its attributes are the ones this signature names."""
 
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-    return ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
-                                     tokenizer=AutoTokenizer.from_pretrained(processor_dir))
+    tokenizer = AutoTokenizer.from_pretrained(processor_dir)
+    return ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
+                              tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
 def vae_latent_stats(model_dir: Path, model_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:

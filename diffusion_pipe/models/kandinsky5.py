@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import (PipelineTextEncoder, bare_pipeline, dtype_name, image_only_qwen2vl_processor,
+from diffusion_pipe.models.common import (PipelineTextEncoder, bare_pipeline, dtype_name, image_only_qwen_vl_processor,
                                           load_component, save_tiny_qwen_tokenizer, save_tiny_tokenizers)
 
 MAX_TEXT_TOKENS = 1024  # the text rotary table's length (Kandinsky5RoPE1D's max_pos), which the pipelines check too
@@ -280,7 +280,7 @@ class Kandinsky5Adapter(Adapter):
         return PipelineTextEncoder(bare_pipeline(
             self._pipeline_cls(),
             text_encoder=load_component(Qwen2_5_VLForConditionalGeneration, d / "text_encoder", self.dtype, device),
-            tokenizer=image_only_qwen2vl_processor(d / "tokenizer"),
+            tokenizer=image_only_qwen_vl_processor(d / "tokenizer"),
             text_encoder_2=load_component(CLIPTextModel, d / "text_encoder_2", self.dtype, device),
             tokenizer_2=AutoTokenizer.from_pretrained(d / "tokenizer_2")))
 

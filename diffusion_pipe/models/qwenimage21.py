@@ -21,7 +21,8 @@ and as latent blocks of their own) and its prefix KV cache (an inference shortcu
 condition tokens) are left out of training; samples render through the pipeline, cache included.
 
 transformers builds Qwen3VLProcessor with a video processor, and that only with torchvision: the processor here is
-Qwen3VLProcessor without one, over the PIL image processor (text-to-image never calls it).
+Qwen3VLProcessor without one, over the PIL image processor (`common.image_only_qwen_vl_processor`; text-to-image
+never calls it).
 """
 
 from __future__ import annotations
@@ -36,28 +37,12 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, bare_pipeline, dtype_name, load_component, \
-    save_tiny_qwen_tokenizer
+from diffusion_pipe.models.common import (PipelineTextEncoder, bare_pipeline, dtype_name,
+                                         image_only_qwen_vl_processor, load_component, save_tiny_qwen_tokenizer)
 from diffusion_pipe.models.ideogram4 import QWEN3_VL_CHAT_TEMPLATE
 from diffusion_pipe.models.qwenimage import QwenImageAdapter
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-
-
-def qwen3vl_processor(processor_dir: Path) -> object:
-    """The Qwen3VLProcessor saved in `processor_dir` (its tokenizer, chat template and image processor) without the
-    video processor, which transformers builds only with torchvision; the image processor is the PIL one."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLProcessor
-
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
-        """Qwen3VLProcessor for text and images only: its attributes are the ones this signature names."""
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    tokenizer = AutoTokenizer.from_pretrained(processor_dir)
-    return ImageOnlyQwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
-                                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
 class QwenImage21Embed(nn.Module):
@@ -219,7 +204,8 @@ class QwenImage21Adapter(QwenImageAdapter):
         system tokens it drops): its templates, scale factor and packing, built once."""
         from diffusers import QwenImage21Pipeline
 
-        return bare_pipeline(QwenImage21Pipeline, processor=qwen3vl_processor(self.model_dir / "processor"))
+        processor = image_only_qwen_vl_processor(self.model_dir / "processor", "Qwen3VLProcessor")
+        return bare_pipeline(QwenImage21Pipeline, processor=processor)
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
@@ -253,7 +239,7 @@ class QwenImage21Adapter(QwenImageAdapter):
         from transformers import Qwen3VLForConditionalGeneration
 
         encoder = load_component(Qwen3VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype, device)
-        processor = qwen3vl_processor(self.model_dir / "processor")
+        processor = image_only_qwen_vl_processor(self.model_dir / "processor", "Qwen3VLProcessor")
         return PipelineTextEncoder(bare_pipeline(QwenImage21Pipeline, text_encoder=encoder, processor=processor))
 
     @torch.no_grad()
@@ -381,8 +367,8 @@ class QwenImage21Adapter(QwenImageAdapter):
                                  image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(processor_dir)
         tokenizer = None
         for _ in range(2):  # the template is the pipeline's, which needs a processor to build: a first one without it
-            template = "" if tokenizer is None else bare_pipeline(
-                QwenImage21Pipeline, processor=qwen3vl_processor(processor_dir)).prompt_template_t2i
+            template = "" if tokenizer is None else bare_pipeline(QwenImage21Pipeline, processor=(
+                image_only_qwen_vl_processor(processor_dir, "Qwen3VLProcessor"))).prompt_template_t2i
             tokenizer = save_tiny_qwen_tokenizer(processor_dir, template=template,
                                                  chat_template=QWEN3_VL_CHAT_TEMPLATE, special_tokens=VISION_TOKENS)
         torch.manual_seed(seed)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, image_only_qwen2vl_processor, load_component
+from diffusion_pipe.models.common import PipelineTextEncoder, image_only_qwen_vl_processor, load_component
 from diffusion_pipe.models.flux import pack_latents, unpack_latents
 from diffusion_pipe.models.qwenimage import MODEL_INDEX, QwenImageAdapter
 
@@ -102,7 +102,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
         encoder = load_component(Qwen2_5_VLForConditionalGeneration, self.model_dir / "text_encoder", self.dtype,
                                  device)
-        processor = image_only_qwen2vl_processor(self.model_dir / "processor")
+        processor = image_only_qwen_vl_processor(self.model_dir / "processor")
         return PipelineTextEncoder(self._text_pipeline(encoder, processor))
 
     def encode_text(self, encoders: PipelineTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:

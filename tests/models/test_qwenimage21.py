@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.models.qwenimage21 import QwenImage21Adapter, qwen3vl_processor
+from diffusion_pipe.models.common import image_only_qwen_vl_processor
+from diffusion_pipe.models.qwenimage21 import QwenImage21Adapter
 from tests.models.comfyui_merge import assert_comfyui_merge_matches
 from tests.models.contract import AdapterContract, random_like_spec
 
@@ -37,14 +38,15 @@ class TestQwenImage21Contract(AdapterContract):
 
     def test_exported_lora_round_trips_into_diffusers_pipeline(self, adapter, lora_model, model_dir):
         # transformers builds the stock Qwen3VLProcessor only with torchvision: the pipeline takes ours
-        self.pipeline_load_kwargs = {"processor": qwen3vl_processor(model_dir / "processor")}
+        processor = image_only_qwen_vl_processor(model_dir / "processor", "Qwen3VLProcessor")
+        self.pipeline_load_kwargs = {"processor": processor}
         super().test_exported_lora_round_trips_into_diffusers_pipeline(adapter, lora_model, model_dir)
 
     def _pipeline(self, model_dir):
         from diffusers import QwenImage21Pipeline
 
-        pipe = QwenImage21Pipeline.from_pretrained(model_dir, dtype=torch.float32,
-                                                   processor=qwen3vl_processor(model_dir / "processor"))
+        processor = image_only_qwen_vl_processor(model_dir / "processor", "Qwen3VLProcessor")
+        pipe = QwenImage21Pipeline.from_pretrained(model_dir, dtype=torch.float32, processor=processor)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
