@@ -181,9 +181,10 @@ class Adapter(ABC):
     def denoiser_class(self) -> type[nn.Module]:
         """The diffusers class of the denoiser (built from its config on the meta device for training)."""
 
-    @abstractmethod
     def denoiser_dir(self) -> Path:
-        """The diffusers component directory of the denoiser's config and safetensors weights."""
+        """The diffusers component directory of the denoiser's config and safetensors weights: `transformer` (a
+        UNet family, or one with several experts, names its own)."""
+        return self.model_dir / "transformer"
 
     def load_denoiser(self, device: torch.device) -> nn.Module:
         """The whole frozen denoiser in `self.dtype` on `device` (tests, merging; training loads per stage)."""

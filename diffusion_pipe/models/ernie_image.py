@@ -177,9 +177,6 @@ class ErnieImageAdapter(Adapter):
 
         return ErnieImageTransformer2DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         return ("self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",

@@ -184,9 +184,6 @@ class Flux2KleinAdapter(Adapter):
 
         return Flux2Transformer2DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         return ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",

@@ -259,9 +259,6 @@ class HiDreamAdapter(Adapter):
 
         return HiDreamImageTransformer2DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         """Both streams' attention projections and every feed-forward linear: the routed and shared experts of the

@@ -235,9 +235,6 @@ class Ideogram4Adapter(Adapter):
 
         return Ideogram4Transformer2DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         return ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",

@@ -335,9 +335,6 @@ class Kandinsky5Adapter(Adapter):
 
         return Kandinsky5Transformer3DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         """Attention and feed-forward of the text and visual blocks (the modules the reference trainer targets)."""

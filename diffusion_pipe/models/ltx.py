@@ -170,9 +170,6 @@ class LTXAdapter(Adapter):
 
         return LTXVideoTransformer3DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         return ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",

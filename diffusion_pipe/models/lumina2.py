@@ -152,9 +152,6 @@ class Lumina2Adapter(Adapter):
 
         return Lumina2Transformer2DModel
 
-    def denoiser_dir(self) -> Path:
-        return self.model_dir / "transformer"
-
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         return ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "feed_forward.linear_1",
