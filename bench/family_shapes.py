@@ -235,6 +235,11 @@ REAL: dict[str, dict] = {
     },
 }
 
+# Edit families train the base model's shape on a target and its control image's tokens side by side
+# (Qwen/Qwen-Image-Edit-2509 and black-forest-labs/FLUX.1-Kontext-dev share their base's transformer config).
+REAL["qwenimage_edit"] = REAL["qwenimage"]
+REAL["flux_kontext"] = REAL["flux"]
+
 # Tiny shapes: small buckets the tiny models accept (9 frames: 8k+1 for LTX, 4k+1 for the others).
 TINY_MEDIA = {"image": (64, 64, 1), "video": (64, 64, 9)}
 TINY_TEXT_LEN = 16
