@@ -1,4 +1,6 @@
-"""Measure the store's write throughput and the read-path verification cost (first open of a pack hashes it).
+"""Measure the store's write throughput, the next run's reuse check (what an incremental encode pays before it
+computes anything: the full hash of a pack is paid once per machine, when it is written or pulled) and the read-path
+verification cost (first open of a pack hashes it).
 
 Usage: python bench/bench_store.py [--pack-mb 256] [--packs 2] [--entry-kb 256]
 """
@@ -34,6 +36,9 @@ def main() -> None:
         dt = time.perf_counter() - t0
         total_mb = n * args.entry_kb / 1024
         print(f"write: {n} entries, {len(w.packs)} packs, {total_mb:.0f} MB in {dt:.2f} s ({total_mb / dt:.0f} MB/s)")
+        t0 = time.perf_counter()
+        assert Store(Path(tmp)).check_reused("latent", [f"k{i}" for i in range(n)]) == []
+        print(f"next run's reuse check (encode's check_reused of every key): {time.perf_counter() - t0:.3f} s")
         for verify in (False, True):
             reader = Store(Path(tmp), verify_reads=verify)
             t0 = time.perf_counter()

@@ -286,11 +286,21 @@ class Store:
                 self._scan(family, index)
 
     def _register(self, sidecar: Sidecar) -> None:
-        """Index a pack this process just published."""
+        """Index a pack this process just published. Its bytes were hashed on the way in (written here, or pulled
+        and checked), so it is remembered as verified on this machine: the next run's `check_reused` does not read
+        it all again (a 9 GB store of T5-XXL embeddings took 1.5 s of every incremental encode)."""
         with self._lock:
             self._bad.discard((sidecar.family, sidecar.pack_id))
-            self._verified.add((sidecar.family, sidecar.pack_id))
             self._index(sidecar.family).add(sidecar)
+        self._remember_verified(sidecar.family, sidecar.pack_id)
+
+    def _remember_verified(self, family: str, pack_id: str) -> None:
+        """The pack's bytes hashed right: remember it in this process and, by its stat, on this machine."""
+        from diffusion_pipe.fileio import write_bytes_atomic
+
+        self._verified.add((family, pack_id))
+        with contextlib.suppress(OSError):  # a read-only store: hashed again next time, no harm
+            write_bytes_atomic(self._marker(family, pack_id), self._stat_text(self.pack_path(family, pack_id)).encode())
 
     def families(self) -> list[str]:
         """The family directories present under the root."""
@@ -436,11 +446,7 @@ class Store:
                 with contextlib.suppress(OSError):
                     marker.unlink()
             elif not known:
-                from diffusion_pipe.fileio import write_bytes_atomic
-
-                with contextlib.suppress(OSError):  # a read-only store: hashed again next time, no harm
-                    write_bytes_atomic(marker, self._stat_text(path).encode())
-                self._verified.add((family, pack_id))
+                self._remember_verified(family, pack_id)
         return problems
 
     def check_keys(self, family: str, keys: Iterable[str]) -> None:

@@ -60,6 +60,8 @@ def _flip_data_byte(path: Path, keep_stat: bool = False) -> None:
         fh.write(bytes([byte ^ 0xFF]))
     if keep_stat:  # bit rot: the bytes change, the stat does not
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    else:  # a write a second later (one within the clock's tick could leave the mtime as it was)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
 def test_reused_packs_are_checked_and_a_flipped_byte_is_quarantined(store: Store) -> None:
@@ -81,6 +83,20 @@ def test_the_full_hash_is_paid_once_per_pack_per_machine_the_size_check_always(s
         fh.write(b"x")  # a size change is always seen
     assert [p.pack for p in Store(store.root).check_reused("latent", ["k2"])] == [packs[1]]
     assert [p.pack for p in Store(store.root).verify()] == [packs[0]]  # `store verify` hashes regardless
+
+
+def test_packs_written_or_pulled_here_are_not_hashed_again_by_the_next_run(store: Store, tmp_path: Path) -> None:
+    packs = _write(store)
+    other = Store(tmp_path / "other")
+    assert other.pull(Remote(str(store.root)), "latent", ["k2"]) == 1
+    (pulled,) = other.packs("latent")
+    # bit rot after each pack came in: only hashing its bytes again would see it
+    _flip_data_byte(store.pack_path("latent", packs[0]), keep_stat=True)
+    _flip_data_byte(other.pack_path("latent", pulled), keep_stat=True)
+    assert Store(store.root).check_reused("latent", ["k0"]) == []  # hashed when written: not read again
+    assert Store(other.root).check_reused("latent", ["k2"]) == []  # hashed when pulled: not read again
+    assert [p.pack for p in Store(store.root).verify()] == [packs[0]]  # the flips are real
+    assert [p.pack for p in Store(other.root).verify()] == [pulled]
 
 
 def _age(path: Path, seconds: float = 3600) -> None:
