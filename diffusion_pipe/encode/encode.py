@@ -57,6 +57,9 @@ CONDITIONING_FIELD = pa.field("conditioning_latent_keys", pa.list_(pa.string()))
 # caption, and its loss weight (scan.datasets[].loss_weight): only in tables with a sample that has them.
 VARIANTS_FIELD = pa.field("text_variant_keys", pa.list_(pa.string()))
 LOSS_WEIGHT_FIELD = pa.field("loss_weight", pa.float64())
+# With train.caption_dropout > 0, a family whose text encoder reads the sample's image drops a caption to the empty
+# caption read with that same image: each sample's own empty-caption entry (other families share one, not a row).
+EMPTY_TEXT_FIELD = pa.field("empty_text_key", pa.string())
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Sample:
     variant_keys: tuple[str, ...] = ()
     loss_weight: float = 1.0
     condition_frames: int = 0  # conditioning made by the family's rule (i2v), at this many frames; 0: as it is
+    empty_text_key: str = ""  # the empty caption read with its image (caption dropout, text_reads_conditioning)
 
     @property
     def sample_id(self) -> str:
@@ -147,6 +151,8 @@ def text_sources(samples: list[Sample], roots: dict[str, Path], control_roots: d
         out.setdefault(s.text_key, TextSource(s.caption, image))
         for key, text in zip(s.variant_keys, s.caption_variants):
             out.setdefault(key, TextSource(text, image))
+        if s.empty_text_key:
+            out.setdefault(s.empty_text_key, TextSource("", image))
     return out
 
 
@@ -208,9 +214,11 @@ def text_image(content_hash: str, bucket: str, media: str, start: int = 0) -> di
             "frames": frames_spec(media, 1, start)}
 
 
-def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams) -> list[Sample]:
-    """Every (item, bucket) of the manifest's usable rows with its latent and text keys. Pure but for hashing
-    the encoders' weights files (cached by stat)."""
+def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams,
+                 caption_dropout: bool = False) -> list[Sample]:
+    """Every (item, bucket) of the manifest's usable rows with its latent and text keys; with `caption_dropout`,
+    a family whose text encoder reads the sample's image also keys the empty caption read with it. Pure but for
+    hashing the encoders' weights files (cached by stat)."""
     vae_hash = component_hash(adapter.vae_dir())
     multiple = adapter.pixel_multiple
     rule = adapter.capabilities.conditioning_rule
@@ -246,16 +254,19 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                     vae_hash=vae_hash, vae_dtype=model.dtype,
                                     frames=conditioning_frames(adapter, row["media"], frames, start)),
                          ) if own_first_frame else controls
+                ekey = ""
                 if reads_image:  # the text entries read the sample's first conditioning image: one per image
                     image = (text_image(row["control_hashes"][0], bucket, "image") if controls else
                              text_image(row["content_hash"], bucket, row["media"], start))
                     tkey = text_key_of(row["caption"], image)
                     vkeys = tuple(text_key_of(c, image) for c in row.get("caption_variants") or ())
+                    ekey = text_key_of("", image) if caption_dropout and row["split"] == "train" else ""
                 samples.append(Sample(row["dataset"], row["path"], bucket, row["split"], row["repeats"],
                                       row["content_hash"], row["caption"], lkey, tkey, row["media"],
                                       tuple(row.get("control_paths") or ()), ckeys, start, stride,
                                       tuple(row.get("caption_variants") or ()), vkeys,
-                                      row.get("loss_weight", 1.0), frames if rule else 0))
+                                      row.get("loss_weight", 1.0), frames if rule else 0,
+                                      ekey))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
@@ -425,13 +436,14 @@ _OPTIONAL_COLUMNS = (
     (CONDITIONING_FIELD, lambda s: list(s.conditioning_keys), []),
     (VARIANTS_FIELD, lambda s: list(s.variant_keys), []),
     (LOSS_WEIGHT_FIELD, lambda s: s.loss_weight, 1.0),
+    (EMPTY_TEXT_FIELD, lambda s: s.empty_text_key, ""),
 )
 
 
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
     """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted); an
-    optional column (control images' latent keys, tag orders' text keys, loss weights) is added when a sample
-    has a value for it other than its default."""
+    optional column (control images' latent keys, tag orders' text keys, loss weights, empty captions read with
+    each sample's image) is added when a sample has a value for it other than its default."""
     columns = [(f, value) for f, value, default in _OPTIONAL_COLUMNS if any(value(s) != default for s in samples)]
     schema = ENCODED_SCHEMA
     for f, _ in columns:
@@ -519,22 +531,20 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     started = time.perf_counter()
     workers = workers or WorkerLayout.from_env()
     adapter = load_adapter(model)
-    if caption_dropout and adapter.capabilities.text_reads_conditioning:
-        raise ConfigError(f"train.caption_dropout: family '{adapter.name}' reads each caption with its control image, "
-                          "so a dropped caption would need an empty-caption entry per image, which is not made yet; "
-                          "set train.caption_dropout to 0")
     if sample_prompts:
         adapter.pipeline_class()  # a family that cannot render samples says so before anything is encoded
     manifest = pq.read_table(manifest_path)
-    samples = plan_samples(manifest, adapter, model, encode)
+    reads_image = adapter.capabilities.text_reads_conditioning
+    samples = plan_samples(manifest, adapter, model, encode, caption_dropout=bool(caption_dropout))
     roots = {d.manifest_name: Path(d.path) for d in scan.datasets}
     control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
     device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
 
     sources = latent_sources(samples, roots, control_roots)
-    captions = text_sources(samples, roots, control_roots, adapter.capabilities.text_reads_conditioning)
-    empty = (SampleText(""),) if caption_dropout else ()  # the caption that dropped samples take
+    captions = text_sources(samples, roots, control_roots, reads_image)
+    # the caption that dropped samples take: one entry, or (read with each sample's image) one per sample's image
+    empty = (SampleText(""),) if caption_dropout and not reads_image else ()
     captions |= {key: TextSource(t.text, LatentSource("", Path(t.control), "image",
                                                       bucket_label(t.width, t.height, 1)) if t.control else None)
                  for t, key in sample_text_keys(adapter, model, encode.text_max_length,

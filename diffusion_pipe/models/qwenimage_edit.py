@@ -20,8 +20,8 @@ transformers builds Qwen2VLProcessor with a video processor, and that only with 
 is Qwen2VLProcessor without one, over the PIL image processor (the same on a machine with torchvision, so text
 keys and entries do not depend on what is installed). Samples render through the edit pipeline: a sample prompt's
 texts are read with its control image at the sample's size (entries keyed by it, embedded by encode as a training
-caption's); the pipeline encodes the control image itself, as at inference. Caption dropout is not supported (a
-dropped caption would need an empty-caption entry per control image)."""
+caption's); the pipeline encodes the control image itself, as at inference. Caption dropout drops to the
+empty caption read with the sample's control image (an entry per control image, made by encode)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ frame the condition latent starts from: the clip's window's own, or the dataset'
 
 The image processor is CLIPImageProcessorPil (transformers' own fallback without torchvision: entries do not depend
 on what is installed). Samples render from each prompt's control image, whose CLIP states its text entries hold.
-Not yet, each refused naming its param: caption dropout (an empty caption per first frame), the first-last-frame
-checkpoint (FLF2V: two images' embeddings).
+Caption dropout drops to the empty caption read with the same first frame (an entry per window, made by encode).
+Not yet, refused naming its param: the first-last-frame checkpoint (FLF2V: two images' embeddings).
 """
 
 from __future__ import annotations

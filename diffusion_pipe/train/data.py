@@ -47,15 +47,16 @@ class Row:
     conditioning_keys: tuple[str, ...] = ()  # latent entries of its control images (edit families)
     variant_keys: tuple[str, ...] = ()  # text entries of its caption's tag orders (shuffle_tags): train uses these
     loss_weight: float = 1.0  # its dataset's loss_weight
+    empty_text_key: str = ""  # the empty caption read with its image, which caption dropout gives it (edit, i2v)
 
 
 def read_rows(encoded_path, split: str) -> list[Row]:
     """Rows of one split of the encoded table, in table order (a table without conditioning has no column
-    for it, nor for tag orders or loss weights: encode.py's `write_encoded_table`)."""
+    for it, nor for tag orders, loss weights or per-image empty captions: encode.py's `write_encoded_table`)."""
     table = pq.read_table(encoded_path)
     return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"],
                 tuple(r.get("conditioning_latent_keys") or ()), tuple(r.get("text_variant_keys") or ()),
-                r.get("loss_weight", 1.0))
+                r.get("loss_weight", 1.0), r.get("empty_text_key") or "")
             for r in table.to_pylist() if r["split"] == split]
 
 
@@ -76,7 +77,8 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
         for family, key, expected in (("latent", row.latent_key, specs[row.bucket]),
                                       *(("latent", k, specs[row.bucket]) for k in row.conditioning_keys),
                                       ("text", row.text_key, text_spec),
-                                      *(("text", k, text_spec) for k in row.variant_keys)):
+                                      *(("text", k, text_spec) for k in row.variant_keys),
+                                      *(("text", k, text_spec) for k in (row.empty_text_key,) if k)):
             if not store.contains(family, key):
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
                                 f"{store.root}: {REPAIR_HINT}, or pull them from the store's remote")
@@ -250,7 +252,8 @@ class MicroBatches:
         indices = self.indices_at(position)
         keys = training_text_keys([self.rows[i] for i in indices], self.seed, self.dp_rank, position)
         if self.caption_dropout:
-            keys = self.caption_dropout.text_keys(self.dp_rank, position, keys)
+            keys = self.caption_dropout.text_keys(self.dp_rank, position, keys,
+                                                  [self.rows[i].empty_text_key for i in indices])
         return self.make(indices, generator, text_keys=keys)
 
 

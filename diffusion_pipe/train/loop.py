@@ -139,7 +139,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
     check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)
     caption_dropout = CaptionDropout.create(train.caption_dropout, train.seed, adapter, model, encode.text_max_length,
-                                            store)
+                                            store, train_rows)
 
     torch.manual_seed(train.seed)
     if dist.world % train.pipeline_stages:

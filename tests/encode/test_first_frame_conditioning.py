@@ -219,3 +219,32 @@ def test_wan21_i2v_text_entries_read_each_windows_first_frame(tmp_path: Path) ->
     make_moving_shapes_videos(tmp_path / "other", frames=9, fps=4)
     shutil.copy(tmp_path / "other/v1_green.mp4", data / "v1_green.mp4")
     assert scan_and_encode() == {"latent": (4, 28), "text": (2, 18)}
+
+
+def test_wan21_i2v_drops_a_caption_to_the_empty_one_read_with_the_windows_first_frame(store_env: Path) -> None:
+    """With caption dropout, each training window also names the empty caption read with its own first frame:
+    the very entry a clip captioned "" would train on, encoded from the same frame; eval windows never drop."""
+    from diffusion_pipe.encode.encode import LatentSource, TextSource, text_sources
+    from tests.conftest import REPO
+
+    model = from_dict(ModelParams, {"family": "wan21_i2v", "path": str(REPO / "examples/wan21_i2v-tiny/model"),
+                                    "dtype": "float32"}, "model")
+    params = from_dict(EncodeParams, {"text_max_length": 512}, "encode")
+    adapter = load_adapter(model)
+
+    def plan21(rows: list[dict], dropout: bool) -> list:
+        return plan_samples(pa.Table.from_pylist(rows), adapter, model, params, caption_dropout=dropout)
+
+    held_out = {**CLIP, "path": "b.mp4", "content_hash": "2" * 32, "split": "eval"}
+    samples = plan21([CLIP, held_out], True)
+    train = [s for s in samples if s.split == "train"]
+    uncaptioned = {(s.bucket, s.frame_start): s.text_key for s in plan21([{**CLIP, "caption": ""}], False)}
+    assert len(train) == 4 and len({s.empty_text_key for s in train}) == 4  # two buckets x two windows
+    for s in train:
+        assert s.empty_text_key == uncaptioned[(s.bucket, s.frame_start)] != s.text_key
+    assert all(s.empty_text_key == "" for s in samples if s.split == "eval")
+    assert all(s.empty_text_key == "" for s in plan21([CLIP, held_out], False))
+    sources = text_sources(samples, {"clips": Path("/data")}, {}, True)
+    for s in train:
+        assert sources[s.empty_text_key] == TextSource("", LatentSource("", Path("/data/a.mp4"), "video", s.bucket,
+                                                                        s.frame_start))

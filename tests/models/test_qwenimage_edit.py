@@ -134,20 +134,6 @@ def test_a_text_to_image_model_is_refused(tmp_path):
         QwenImageEditAdapter(tmp_path, torch.float32).text_template()
 
 
-def test_caption_dropout_is_refused_before_encoding(tmp_path):
-    """Not made yet for a family whose captions are read with their control image: encode says so, naming the
-    param, before it reads anything."""
-    from diffusion_pipe.encode.encode import encode_manifest
-    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
-
-    QwenImageEditAdapter.build_tiny(tmp_path / "model", seed=0)
-    model = ModelParams(family="qwenimage_edit", path=str(tmp_path / "model"), dtype="float32")
-    with pytest.raises(ConfigError, match="train.caption_dropout: family 'qwenimage_edit' reads each caption"):
-        encode_manifest(model, ScanParams(datasets=(DatasetParams(path="data"),)), EncodeParams(),
-                        tmp_path / "missing.parquet", tmp_path / "encoded.parquet", tmp_path / "report.json", None,
-                        caption_dropout=0.1)
-
-
 def test_a_sample_prompts_text_is_keyed_by_its_control_image_as_a_captions(tiny, tmp_path):
     """A sample prompt's text read with its control image is keyed as a training caption read with the same image
     at the same size (so one store entry serves both), another control image or size gives another key, and a

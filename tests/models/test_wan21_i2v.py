@@ -203,17 +203,6 @@ def test_wan_i2v_and_wan21_i2v_refuse_each_others_checkpoints(model_dir, tmp_pat
         Wan21I2VAdapter(model_dir, torch.float32, expert="high")
 
 
-def test_caption_dropout_is_refused_before_encoding(model_dir, tmp_path):
-    from diffusion_pipe.encode.encode import encode_manifest
-    from diffusion_pipe.params import DatasetParams, EncodeParams, ModelParams, ScanParams
-
-    model = ModelParams(family="wan21_i2v", path=str(model_dir), dtype="float32")
-    args = (model, ScanParams(datasets=(DatasetParams(path="data"),)), EncodeParams(text_max_length=512),
-            tmp_path / "missing.parquet", tmp_path / "encoded.parquet", tmp_path / "report.json", None)
-    with pytest.raises(ConfigError, match="train.caption_dropout: family 'wan21_i2v' reads each caption"):
-        encode_manifest(*args, caption_dropout=0.1)
-
-
 def test_samples_render_as_the_pipeline_does_from_the_image_itself(adapter, encoders, pipe, tmp_path):
     """A sample renders from its stored text entry, whose CLIP states were read from the prompt's control image,
     with no image encoder loaded: the pixels WanImageToVideoPipeline gives when it encodes that image itself. Two

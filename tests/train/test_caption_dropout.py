@@ -1,5 +1,7 @@
 """`train.caption_dropout`: encode embeds the empty caption only when it is > 0; training batches take its
-embedding with that probability, deterministically; a missing entry is an error naming the fix."""
+embedding with that probability, deterministically; a missing entry is an error naming the fix. A family whose
+text encoder reads the sample's image (qwenimage_edit here) drops each sample to the empty caption read with that
+sample's image: an entry per image, named in the encoded table."""
 
 from __future__ import annotations
 
@@ -78,7 +80,10 @@ def test_dropout_1_gives_every_sample_the_empty_caption(encoded, monkeypatch):
     adapter, store = load_adapter(params.model), Store(store_dir)
     rows = read_rows("data/encoded.parquet", "train")
     empty = empty_caption_key(adapter, params.model, params.encode.text_max_length)
-    create = lambda p: CaptionDropout.create(p, 0, adapter, params.model, params.encode.text_max_length, store)  # noqa: E731
+    def create(probability: float) -> CaptionDropout | None:
+        return CaptionDropout.create(probability, 0, adapter, params.model, params.encode.text_max_length, store,
+                                     rows)
+
     assert create(0.0) is None
     dropped = loader(repo, store, rows, create(1.0))
     uncaptioned = loader(repo, store, [dataclasses.replace(r, text_key=empty) for r in rows], None)
@@ -89,12 +94,13 @@ def test_dropout_1_gives_every_sample_the_empty_caption(encoded, monkeypatch):
     # about half drop at 0.5, the same ones every time (a resumed run draws the same)
     half = create(0.5)
     keys = [r.text_key for r in rows]
-    draws = [half.text_keys(0, p, keys) for p in range(20)]
+    own = [""] * len(keys)  # this family's samples have no empty caption of their own: they share one
+    draws = [half.text_keys(0, p, keys, own) for p in range(20)]
     share = sum(k == empty for d in draws for k in d) / (20 * len(keys))
     assert 0.35 < share < 0.65
-    assert draws == [create(0.5).text_keys(0, p, keys) for p in range(20)]
+    assert draws == [create(0.5).text_keys(0, p, keys, own) for p in range(20)]
     assert len({tuple(d) for d in draws}) == 20  # each position draws anew
-    assert half.text_keys(1, 0, keys) != draws[0]  # data-parallel ranks draw their own
+    assert half.text_keys(1, 0, keys, own) != draws[0]  # data-parallel ranks draw their own
 
 
 @pytest.mark.slow  # the fixture scans and encodes twice: about 30 s on 2 shared cores
@@ -106,10 +112,92 @@ def test_a_missing_empty_caption_entry_names_the_fix(tmp_path, encoded, monkeypa
                                         r"in the store .* the encode stage embeds it when train.caption_dropout > 0: "
                                         r"run `dvc repro --force --single-item encode`"):
         CaptionDropout.create(0.5, 0, load_adapter(params.model), params.model, params.encode.text_max_length,
-                              Store(tmp_path / "empty"))
+                              Store(tmp_path / "empty"), read_rows("data/encoded.parquet", "train"))
 
 
 def test_range():
     assert from_dict(TrainParams, {"caption_dropout": 1.0}, "train").caption_dropout == 1.0
     with pytest.raises(ConfigError, match=r"train.caption_dropout: 1.5 is out of range \[0, 1\]"):
         from_dict(TrainParams, {"caption_dropout": 1.5}, "train")
+
+
+EDIT_EXAMPLE = "examples/qwenimage_edit-tiny/params.yaml"
+
+
+@pytest.fixture(scope="module")
+def edit_encoded(tmp_path_factory):
+    """The qwenimage_edit example scanned and encoded with caption_dropout 0, then 0.5: the repo, the store, both
+    reports, both encoded tables' train rows and the text keys in the store after the first."""
+    from tests.conftest import REPO
+
+    root = tmp_path_factory.mktemp("caption-dropout-edit")
+    store = root / "store"
+    repo = make_pipeline_repo(root / "repo", store, None, dvc=False)
+    (repo / "params.yaml").write_text((REPO / EDIT_EXAMPLE).read_text())
+    reports, rows = {}, {}
+    for dropout, stages in ((0.0, ("scan", "encode")), (0.5, ("encode",))):
+        params = (repo / "params.yaml").read_text()
+        (repo / "params.yaml").write_text(params.replace("caption_dropout: 0.0", f"caption_dropout: {dropout}"))
+        for stage in stages:
+            run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+        reports[dropout] = json.loads((repo / "reports/encode.json").read_text())
+        rows[dropout] = read_rows(repo / "data/encoded.parquet", "train")
+        if not dropout:
+            before = {k for sidecar in Store(store).packs("text").values() for k in sidecar.entries}
+    return repo, store, reports, rows, before
+
+
+@pytest.mark.slow  # the fixture scans and encodes the edit example twice: about 40 s on 2 shared cores
+def test_an_edit_family_embeds_the_empty_caption_read_with_each_samples_image(edit_encoded, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from diffusion_pipe.bucket_labels import parse_bucket
+    from diffusion_pipe.encode.encode import sample_text_keys
+    from diffusion_pipe.sample.render import SampleText
+
+    repo, store_dir, reports, rows, before = edit_encoded
+    monkeypatch.chdir(repo)
+    params = load_params("params.yaml")
+    adapter, store = load_adapter(params.model), Store(store_dir)
+    assert all(r.empty_text_key == "" for r in rows[0.0])  # dropout 0: no such column, the table as before
+    assert all(r.empty_text_key and r.empty_text_key != r.text_key for r in rows[0.5])
+    # the train rows' control images, each read with the empty caption as a sample prompt's text would be
+    manifest = {r["path"]: r for r in pq.read_table("data/manifest.parquet").to_pylist()}
+    control_dir = params.scan.datasets[0].control
+    controls = [manifest[r.sample_id.split("/", 1)[1].split("@")[0]]["control_paths"][0] for r in rows[0.5]]
+    expected = sample_text_keys(adapter, params.model, params.encode.text_max_length, tuple(
+        SampleText("", f"{control_dir}/{c}", *parse_bucket(r.bucket)[:2]) for c, r in zip(controls, rows[0.5])))
+    assert [r.empty_text_key for r in rows[0.5]] == list(expected.values())
+    # exactly those entries were computed, once per distinct image (but for the sample prompts' empty negative
+    # prompts read with their control images, which are the same entries); the rest reused; no image-less one
+    distinct = {r.empty_text_key for r in rows[0.5]}
+    off, on = reports[0.0]["text"], reports[0.5]["text"]
+    assert on["computed"] == len(distinct - before) > 1 and distinct & before
+    assert on["reused_local"] == off["entries"] and on["entries"] == off["entries"] + on["computed"]
+    assert not store.contains("text", empty_caption_key(adapter, params.model, params.encode.text_max_length))
+    # the image is read: two samples' empty captions differ
+    a, b = sorted(distinct)[:2]
+    assert not all(torch.equal(x, y) for x, y in zip(store.get("text", a).values(), store.get("text", b).values()))
+
+
+@pytest.mark.slow  # the fixture scans and encodes the edit example twice: about 40 s on 2 shared cores
+def test_an_edit_family_drops_each_sample_to_its_own_empty_caption(edit_encoded, monkeypatch):
+    repo, store_dir, _, rows, _ = edit_encoded
+    monkeypatch.chdir(repo)
+    params = load_params("params.yaml")
+    adapter, store = load_adapter(params.model), Store(store_dir)
+    def create(probability: float, train_rows: list) -> CaptionDropout | None:
+        return CaptionDropout.create(probability, 0, adapter, params.model, params.encode.text_max_length, store,
+                                     train_rows)
+
+    dropped = loader(repo, store, rows[0.5], create(1.0, rows[0.5]))
+    uncaptioned = loader(repo, store, [dataclasses.replace(r, text_key=r.empty_text_key) for r in rows[0.5]], None)
+    own = loader(repo, store, rows[0.5], None)
+    for position in range(4):
+        assert same(dropped.at(position), uncaptioned.at(position))
+        assert not same(dropped.at(position), own.at(position))
+    # a table encoded without dropout has no such entries: an error naming the fix, before step 1
+    with pytest.raises(DataError, match=r"train.caption_dropout is 0.5, but sample .* has no empty-caption entry "
+                                        r"read with its image; the encode stage embeds them when "
+                                        r"train.caption_dropout > 0: run `dvc repro --force --single-item encode`"):
+        create(0.5, rows[0.0])
