@@ -6,8 +6,10 @@ implements `unsplit_forward`. Fixtures are class-scoped: the tiny model is built
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import pytest
@@ -30,6 +32,40 @@ def random_like_spec(spec: dict, batch: int, seed: int) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn((batch, *shape), generator=g).to(getattr(torch, dtype))
             for name, (shape, dtype) in spec.items()}
+
+
+class Call(NamedTuple):
+    """One call of a module: its positional and keyword arguments and what it returned."""
+
+    args: tuple
+    kwargs: dict
+    out: object
+
+
+@contextlib.contextmanager
+def module_calls(module: nn.Module, *, copy: bool = False) -> Iterator[list[Call]]:
+    """Every call of `module` while the block runs, in order: how a pipeline calls its transformer (or a block), to
+    compare with what the adapter feeds its pipeline layers. `copy`: the arguments' tensors cloned as the call
+    begins (a pipeline may step its latents in place afterwards). The hooks are removed after the block."""
+    calls: list[Call] = []
+    started: list[tuple[tuple, dict]] = []
+
+    def clone(x: object) -> object:
+        return x.clone() if copy and isinstance(x, torch.Tensor) else x
+
+    def before(_module, args, kwargs):
+        started.append((tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()}))
+
+    def after(_module, _args, _kwargs, out):
+        calls.append(Call(*started.pop(), out))
+
+    handles = (module.register_forward_pre_hook(before, with_kwargs=True),
+               module.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def lora_deltas(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.flux import unpack_latents
 from diffusion_pipe.models.flux_kontext import FluxKontextAdapter
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 class TestFluxKontextContract(AdapterContract):
@@ -48,16 +48,11 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(model_di
     control = random_like_spec(spec, 1, seed=1)["latents"]  # normalised, as training feeds it
     noisy = random_like_spec(spec, 1, seed=2)["latents"]
     text = random_like_spec(adapter.text_spec(16), 1, seed=3)
-    seen = {}
-
-    def capture(_module, _args, kwargs):
-        seen.setdefault("call", kwargs)
-
-    pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    pipe(image=control, prompt_embeds=text["t5"], pooled_prompt_embeds=text["clip_pooled"], height=32, width=48,
-         num_inference_steps=1, guidance_scale=2.5, max_area=32 * 48, latents=FluxKontextPipeline._pack_latents(noisy, 1, 4, 8, 12),
-         output_type="latent")
-    call = seen["call"]
+    with module_calls(pipe.transformer) as calls:
+        pipe(image=control, prompt_embeds=text["t5"], pooled_prompt_embeds=text["clip_pooled"], height=32, width=48,
+             num_inference_steps=1, guidance_scale=2.5, max_area=32 * 48,
+             latents=FluxKontextPipeline._pack_latents(noisy, 1, 4, 8, 12), output_type="latent")
+    call = calls[0].kwargs
     ours = adapter.conditioned_inputs(noisy, call["timestep"], text, 2.5, (control,))
     assert torch.equal(ours[0], call["hidden_states"])  # target tokens, then the control's
     assert torch.equal(ours[4][0], call["img_ids"])  # control ids: axis 0 is 1

@@ -9,7 +9,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.ideogram4 import Ideogram4Adapter
 from tests.models.comfyui_merge import assert_comfyui_merge_matches
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 def full_inputs(inputs: tuple) -> dict:
@@ -43,23 +43,14 @@ class TestIdeogram4Contract(AdapterContract):
 
         pipe = Ideogram4Pipeline.from_pretrained(model_dir, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        seen = {}
-
-        def capture_call(_module, _args, kwargs):
-            seen.setdefault("call", kwargs)
-
-        def capture_out(_module, _args, out):
-            seen.setdefault("out", out[0])
-
-        pipe.transformer.register_forward_pre_hook(capture_call, with_kwargs=True)
-        pipe.transformer.register_forward_hook(capture_out)
         (entry,) = adapter.encode_text(adapter.load_text_encoders(torch.device("cpu")), ["a red circle"], 16)
         text = {k: v[None] for k, v in entry.items()}
         noisy = random_like_spec(adapter.latent_spec(48, 32, 1), 1, seed=2)["latents"]
         tokens = adapter.model_inputs(noisy, torch.zeros(1), text, 1.0)[0]
-        pipe("a red circle", height=32, width=48, num_inference_steps=1, guidance_scale=2.0, guidance_schedule=None,
-             max_sequence_length=16, latents=tokens, output_type="latent")
-        call = seen["call"]
+        with module_calls(pipe.transformer) as calls:
+            pipe("a red circle", height=32, width=48, num_inference_steps=1, guidance_scale=2.0,
+                 guidance_schedule=None, max_sequence_length=16, latents=tokens, output_type="latent")
+        call, out = calls[0].kwargs, calls[0].out[0]
         sigma = pipe.scheduler.sigmas[:1]
         ours = adapter.model_inputs(noisy, sigma, text, 1.0)
         theirs = full_inputs(ours)
@@ -71,7 +62,7 @@ class TestIdeogram4Contract(AdapterContract):
         with torch.no_grad():
             for layer in adapter.pipeline_layers(pipe.transformer):
                 x = layer(x)
-        velocity = seen["out"][:, 16:].reshape(1, 4, 6, 16).permute(0, 3, 1, 2)
+        velocity = out[:, 16:].reshape(1, 4, 6, 16).permute(0, 3, 1, 2)
         torch.testing.assert_close(adapter.prediction_to_latents(x, noisy), -velocity, rtol=0, atol=1e-5)
 
     def test_text_entries_are_the_pipelines_prompt_encoding(self, adapter):

@@ -13,7 +13,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.kandinsky5 import Kandinsky5Adapter, by_caption_length, caption_groups
 from tests.models.comfyui_merge import assert_comfyui_merge_matches
-from tests.models.contract import AdapterContract, expected_deltas, random_like_spec
+from tests.models.contract import AdapterContract, expected_deltas, module_calls, random_like_spec
 
 
 def pipeline_rope_scale(adapter, height: int, width: int) -> tuple:
@@ -130,18 +130,13 @@ class TestKandinsky5Contract(AdapterContract):
         width, height, frames = self.pipeline_size
         noisy = random_like_spec(adapter.latent_spec(width, height, frames), 1, 5)["latents"]
         text = {k: v[None] for k, v in entry.items()}
-        seen = {}
-
-        def capture(_module, _args, kwargs):  # copies: the pipeline steps its latents in place
-            seen.setdefault("call", {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-
-        pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-        pipe(prompt_embeds_qwen=entry["qwen"][None, :n], prompt_embeds_clip=entry["clip_pooled"][None],
-             prompt_cu_seqlens=torch.tensor([0, n], dtype=torch.int32), guidance_scale=1.0, height=height,
-             width=width, num_inference_steps=1, output_type="latent",
-             latents=adapter.model_inputs(noisy, torch.zeros(1), text, 1.0)[0],
-             **({"num_frames": frames} if "video" in adapter.capabilities.media else {}))
-        call = seen["call"]
+        with module_calls(pipe.transformer, copy=True) as calls:  # copies: the pipeline steps its latents in place
+            pipe(prompt_embeds_qwen=entry["qwen"][None, :n], prompt_embeds_clip=entry["clip_pooled"][None],
+                 prompt_cu_seqlens=torch.tensor([0, n], dtype=torch.int32), guidance_scale=1.0, height=height,
+                 width=width, num_inference_steps=1, output_type="latent",
+                 latents=adapter.model_inputs(noisy, torch.zeros(1), text, 1.0)[0],
+                 **({"num_frames": frames} if "video" in adapter.capabilities.media else {}))
+        call = calls[0].kwargs
         inputs = adapter.model_inputs(noisy, call["timestep"] / 1000, text, 1.0)
         assert torch.equal(call["hidden_states"], inputs[0])
         torch.testing.assert_close(call["timestep"], inputs[1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffusion_pipe.models.ltx2 import LTX2Adapter, comfyui_module_name, save_tiny_ltx2
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 CPU = torch.device("cpu")
 
@@ -129,19 +129,12 @@ class TestLTX2Contract(AdapterContract):
         pipe.transformer = lora_model[0]
         pipe.set_progress_bar_config(disable=True)
         raw = random_like_spec(adapter.latent_spec(64, 32, 9), 1, seed=3)["latents"]  # as the VAE makes them
-        calls = []
-
-        def capture(_module, _args, kwargs, output):
-            calls.append((kwargs, output[0]))
-
-        handle = pipe.transformer.register_forward_hook(capture, with_kwargs=True)
-        try:
+        with module_calls(pipe.transformer) as calls:
             pipe(prompt="a red square moving right", height=32, width=64, num_frames=9, latents=raw,
                  sigmas=[0.7], num_inference_steps=1, guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0,
                  audio_stg_scale=0.0, max_sequence_length=16, output_type="latent")
-        finally:
-            handle.remove()
-        (call, _), (isolated, predicted) = calls  # the main pass, then the modality-isolation pass
+        main, isolation = calls  # the main pass, then the modality-isolation pass
+        call, isolated, predicted = main.kwargs, isolation.kwargs, isolation.out[0]
         assert not call["isolate_modalities"] and isolated["isolate_modalities"]
         text = adapter.encode_text(adapter.load_text_encoders(CPU), ["a red square moving right"], 16)[0]
         t = call["timestep"] / 1000

@@ -10,7 +10,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.common import image_only_qwen_vl_processor
 from diffusion_pipe.models.qwenimage21 import QwenImage21Adapter
 from tests.models.comfyui_merge import assert_comfyui_merge_matches
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 def full_inputs(inputs: tuple) -> dict:
@@ -55,22 +55,13 @@ class TestQwenImage21Contract(AdapterContract):
         latents' tokens, t, the target's shape and VL slots and no mask: the adapter's inputs from the stored entry are
         those, and the composed layers predict what the transformer returns for the image tokens."""
         pipe = self._pipeline(model_dir)
-        seen = {}
-
-        def capture_call(_module, _args, kwargs):
-            seen.setdefault("call", kwargs)
-
-        def capture_out(_module, _args, out):
-            seen.setdefault("out", out[0])
-
-        pipe.transformer.register_forward_pre_hook(capture_call, with_kwargs=True)
-        pipe.transformer.register_forward_hook(capture_out)
         (entry,) = adapter.encode_text(adapter.load_text_encoders(torch.device("cpu")), ["a red circle"], 24)
         text = {k: v[None] for k, v in entry.items()}
         noisy = random_like_spec(adapter.latent_spec(64, 32, 1), 1, seed=2)["latents"]
         tokens = adapter.model_inputs(noisy, torch.zeros(1), text, 1.0)[0]
-        pipe("a red circle", height=32, width=64, num_inference_steps=1, latents=tokens, output_type="latent")
-        call = seen["call"]
+        with module_calls(pipe.transformer) as calls:
+            pipe("a red circle", height=32, width=64, num_inference_steps=1, latents=tokens, output_type="latent")
+        call, out = calls[0].kwargs, calls[0].out[0]
         ours = adapter.model_inputs(noisy, pipe.scheduler.sigmas[:1], text, 1.0)
         theirs = full_inputs(ours)
         assert theirs["encoder_hidden_states_mask"] is None and call["encoder_hidden_states_mask"] is None
@@ -81,7 +72,7 @@ class TestQwenImage21Contract(AdapterContract):
         with torch.no_grad():
             for layer in adapter.pipeline_layers(pipe.transformer):
                 x = layer(x)
-        want = pipe._unpack_latents(seen["out"][:, -8:], 32, 64, pipe.vae_scale_factor)[:, :, 0]
+        want = pipe._unpack_latents(out[:, -8:], 32, 64, pipe.vae_scale_factor)[:, :, 0]
         torch.testing.assert_close(adapter.prediction_to_latents(x, noisy), want, rtol=0, atol=1e-5)
 
     def test_text_entries_are_the_pipelines_prompt_encoding(self, adapter):

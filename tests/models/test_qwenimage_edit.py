@@ -8,7 +8,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.flux import unpack_latents
 from diffusion_pipe.models.qwenimage_edit import QwenImageEditAdapter
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 class TestQwenImageEditContract(AdapterContract):
@@ -68,16 +68,11 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(tiny):
     noisy = random_like_spec(spec, 1, seed=2)["latents"]
     text = random_like_spec(tiny.text_spec(8), 1, seed=3)
     text["prompt_mask"] = torch.ones(1, 8, dtype=torch.long)
-    seen = {}
-
-    def capture(_module, _args, kwargs):
-        seen.setdefault("call", kwargs)
-
-    pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    pipe(image=Image.new("RGB", (48, 32)), prompt_embeds=text["prompt_embeds"], prompt_embeds_mask=text["prompt_mask"],
-         height=32, width=48, num_inference_steps=1, latents=tiny.model_inputs(noisy, torch.zeros(1), text, 1.0)[0],
-         output_type="latent")
-    call = seen["call"]
+    with module_calls(pipe.transformer) as calls:
+        pipe(image=Image.new("RGB", (48, 32)), prompt_embeds=text["prompt_embeds"],
+             prompt_embeds_mask=text["prompt_mask"], height=32, width=48, num_inference_steps=1,
+             latents=tiny.model_inputs(noisy, torch.zeros(1), text, 1.0)[0], output_type="latent")
+    call = calls[0].kwargs
     # the pipeline encodes the control image at about 1 MP (its aspect ratio kept): give ours that latent
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 

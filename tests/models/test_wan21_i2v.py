@@ -15,7 +15,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.encode.media import to_unit_range
 from diffusion_pipe.models.wan21_i2v import Wan21I2VAdapter
 from diffusion_pipe.models.wan_i2v import WanI2VAdapter
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 class TestWan21I2VContract(AdapterContract):
@@ -80,20 +80,10 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(adapter,
     rgb = _image(1)
     noise = random_like_spec(adapter.latent_spec(48, 32, 9), 1, seed=2)["latents"]
     (text,) = adapter.encode_conditioned_text(encoders, ["a red square moving right"], _first_frame(rgb), 512)
-    seen = {}
-
-    def capture(name):
-        return lambda _module, args, kwargs: seen.setdefault(name, (args, kwargs))
-
-    hooks = [pipe.transformer.register_forward_pre_hook(capture("transformer"), with_kwargs=True),
-             pipe.transformer.blocks[0].register_forward_pre_hook(capture("block"), with_kwargs=True)]
-    try:
+    with module_calls(pipe.transformer) as calls, module_calls(pipe.transformer.blocks[0]) as block_calls:
         pipe(image=Image.fromarray(rgb), prompt_embeds=text["t5"][None], height=32, width=48, num_frames=9,
              num_inference_steps=2, guidance_scale=1.0, latents=noise, output_type="latent")
-    finally:
-        for hook in hooks:
-            hook.remove()
-    call = seen["transformer"][1]
+    call = calls[0].kwargs
     t = call["timestep"] / 1000
     ours = adapter.conditioned_inputs(noise, t, {k: v[None] for k, v in text.items()}, 1.0,
                                       (_condition_by_rule(adapter, rgb, 9)[None],))
@@ -103,7 +93,7 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(adapter,
     torch.testing.assert_close(ours[2], call["encoder_hidden_states"], rtol=0, atol=0)
     assert ours[3].shape == (1, 17, 32)
     torch.testing.assert_close(ours[3], call["encoder_hidden_states_image"], rtol=0, atol=1e-6)
-    block_args, block_kwargs = seen["block"]
+    block_args, block_kwargs = block_calls[0].args, block_calls[0].kwargs
     context = block_args[1] if len(block_args) > 1 else block_kwargs["encoder_hidden_states"]
     with torch.no_grad():
         embedded = adapter.pipeline_layers(pipe.transformer)[0](ours)

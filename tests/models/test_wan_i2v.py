@@ -11,7 +11,7 @@ from PIL import Image
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.wan_i2v import WanI2VAdapter
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 class TestWanI2VContract(AdapterContract):
@@ -84,18 +84,10 @@ def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(model_di
     spec = adapter.latent_spec(48, 32, 9)
     noise = random_like_spec(spec, 1, seed=2)["latents"]
     text = random_like_spec(adapter.text_spec(16), 1, seed=3)
-    seen = {}
-
-    def capture(_module, _args, kwargs):
-        seen.setdefault("call", kwargs)
-
-    handle = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
+    with module_calls(pipe.transformer) as calls:
         pipe(image=Image.fromarray(rgb), prompt_embeds=text["t5"], height=32, width=48, num_frames=9,
              num_inference_steps=2, guidance_scale=1.0, latents=noise, output_type="latent")
-    finally:
-        handle.remove()
-    call = seen["call"]
+    call = calls[0].kwargs
     t = call["timestep"] / 1000
     ours = adapter.conditioned_inputs(noise, t, text, 1.0, (_condition_by_rule(adapter, rgb, 9)[None],))
     assert ours[0].shape == call["hidden_states"].shape == (1, 36, 3, 4, 6)

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from diffusion_pipe.models.wan_ti2v import WanTI2VAdapter
-from tests.models.contract import AdapterContract, random_like_spec
+from tests.models.contract import AdapterContract, module_calls, random_like_spec
 
 
 class TestWanTI2VContract(AdapterContract):
@@ -60,15 +60,10 @@ def test_first_layer_inputs_are_what_the_i2v_pipeline_feeds_its_transformer(mode
     spec = adapter.latent_spec(64, 32, 5)
     noise = random_like_spec(spec, 1, seed=2)["latents"]
     text = random_like_spec(adapter.text_spec(16), 1, seed=3)
-    seen = {}
-
-    def capture(_module, _args, kwargs):
-        seen.setdefault("call", kwargs)
-
-    pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    pipe(image=Image.fromarray(rgb), prompt_embeds=text["t5"], height=32, width=64, num_frames=5,
-         num_inference_steps=2, guidance_scale=1.0, latents=noise, output_type="latent")
-    call = seen["call"]
+    with module_calls(pipe.transformer) as calls:
+        pipe(image=Image.fromarray(rgb), prompt_embeds=text["t5"], height=32, width=64, num_frames=5,
+             num_inference_steps=2, guidance_scale=1.0, latents=noise, output_type="latent")
+    call = calls[0].kwargs
     clip = torch.cat((image_latent[None], torch.randn(1, *spec["latents"][0])[:, :, 1:]), dim=2)
     noisy, _ = adapter.keep_clean(noise, noise, clip)
     t = call["timestep"].max() / 1000
