@@ -52,9 +52,9 @@ sys.path.insert(0, str(REPO))
 
 # the order the issues rank them in; sdxl and flux have their own benchmarks (flux: bench_train.py)
 PRIORITY = ("qwenimage", "qwenimage21", "flux2_klein", "krea2", "hunyuan_video15", "ltx", "ltx2", "sd3", "chroma",
-            "zimage", "wan", "wan_i2v", "wan21_i2v", "skyreels_v2", "hunyuan_video", "lumina2", "auraflow",
-            "ernie_image", "hidream", "hunyuan_image", "flux2", "ideogram4",
-            "kandinsky5_image", "kandinsky5", "qwenimage_edit", "flux_kontext")
+            "zimage", "wan", "wan_i2v", "wan21_i2v", "wan_ti2v", "skyreels_v2", "hunyuan_video", "lumina2",
+            "auraflow", "ernie_image", "hidream", "hunyuan_image", "flux2", "ideogram4", "kandinsky5_image",
+            "kandinsky5", "qwenimage_edit", "flux_kontext")
 
 
 class _Clock:

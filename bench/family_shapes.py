@@ -206,6 +206,14 @@ REAL: dict[str, dict] = {
                                               "added_kv_proj_dim": 5120},
                   "configs": {**_WAN_14B["configs"],
                               "image_encoder": {"hidden_size": 1280, "image_size": 224, "patch_size": 14}}},
+    "wan_ti2v": {  # Wan-AI/Wan2.2-TI2V-5B-Diffusers, 5B: 48-channel latents of the Wan 2.2 VAE (16x spatial)
+        "transformer": {**_WAN_14B["transformer"], "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
+                        "ffn_dim": 14336, "num_layers": 30},
+        "configs": {"vae": {"z_dim": 48, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+                            "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48},
+                    "text_encoder": {"d_model": 4096}},
+        "media": (832, 480, 33), "text_len": 512,
+    },
     "skyreels_v2": _WAN_14B,  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,

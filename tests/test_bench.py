@@ -1,0 +1,46 @@
+"""The benchmarks' own plumbing, checked on the CPU so that a GPU session does not find it broken: every family
+the family benchmark lists has a published shape to build and a plain loop to run (its contract test's unsplit
+forward), and the tiny run of one edit family (conditioning latents, a contract test with a variant subclass)
+goes through both runners."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diffusion_pipe.models import REGISTRY
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_family  # noqa: E402
+from family_shapes import REAL  # noqa: E402
+
+# flux is bench_train.py's (the Flux-dev shape against the trainer we replace); sdxl has no plain row (UNet)
+OWN_BENCHMARK = {"flux", "sdxl"}
+
+
+def test_every_family_but_those_with_their_own_benchmark_is_listed_with_a_real_shape():
+    assert set(bench_family.PRIORITY) == set(REGISTRY) - OWN_BENCHMARK
+    assert len(bench_family.PRIORITY) == len(set(bench_family.PRIORITY))
+    assert set(bench_family.PRIORITY) <= set(REAL)
+
+
+@pytest.mark.parametrize("family", bench_family.PRIORITY)
+def test_the_plain_loop_finds_the_familys_unsplit_forward(family):
+    contract = bench_family.contract_forward(family)
+    assert callable(contract.unsplit_forward)
+
+
+@pytest.mark.slow  # two fresh train-stage processes: about 20 s
+def test_the_tiny_run_of_an_edit_family_gives_both_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "bench/bench_family.py", "--family", "qwenimage_edit", "--shape", "tiny",
+                    "--steps", "3", "--device", "cpu", "--work", str(tmp_path / "work"), "--json", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["family"] == "qwenimage_edit"
+    assert row["plain"]["step_seconds"] > 0 and row["ours"]["step_seconds"] > 0
