@@ -487,6 +487,9 @@ MUTATIONS: list[Mutation] = [
              "            if lacking:\n", "            if False:\n",
              ("tests/train/test_caption_dropout.py::test_an_edit_family_drops_each_sample_to_its_own_empty_caption",),
              "train starts on a table encoded without the empty captions and fails mid-run"),
+    Mutation("bench-contract-class-unique", "bench/bench_family.py",
+             "    return min(classes, key=lambda c: len(c.__mro__))()", "    (only,) = classes\n    return only()",
+             ("tests/test_bench.py",), "the plain loop of a family with a variant contract class cannot start"),
 ]
 
 
