@@ -47,6 +47,24 @@ def loader(repo, store: Store, rows, dropout: CaptionDropout | None) -> MicroBat
                         guidance=train.guidance, caption_dropout=dropout)
 
 
+def dropout(probability: float, store: Store, rows) -> CaptionDropout | None:
+    """The CaptionDropout train makes for `rows` under the working directory's params.yaml (seed 0)."""
+    params = load_params("params.yaml")
+    return CaptionDropout.create(probability, 0, load_adapter(params.model), params.model,
+                                 params.encode.text_max_length, store, rows)
+
+
+def assert_dropout_1_gives(repo, store: Store, rows, empty_keys: list[str]) -> None:
+    """At dropout 1.0 each micro-batch is, tensor for tensor, the same samples captioned by `empty_keys` (same
+    noise, same timesteps), and not the rows' own."""
+    dropped = loader(repo, store, rows, dropout(1.0, store, rows))
+    uncaptioned = loader(repo, store, [dataclasses.replace(r, text_key=k) for r, k in zip(rows, empty_keys)], None)
+    own = loader(repo, store, rows, None)
+    for position in range(4):
+        assert same(dropped.at(position), uncaptioned.at(position))
+        assert not same(dropped.at(position), own.at(position))
+
+
 def flat(batch) -> list[torch.Tensor]:
     """Every tensor of an (inputs, labels) micro-batch, in order."""
     if isinstance(batch, torch.Tensor):
@@ -80,25 +98,16 @@ def test_dropout_1_gives_every_sample_the_empty_caption(encoded, monkeypatch):
     adapter, store = load_adapter(params.model), Store(store_dir)
     rows = read_rows("data/encoded.parquet", "train")
     empty = empty_caption_key(adapter, params.model, params.encode.text_max_length)
-    def create(probability: float) -> CaptionDropout | None:
-        return CaptionDropout.create(probability, 0, adapter, params.model, params.encode.text_max_length, store,
-                                     rows)
-
-    assert create(0.0) is None
-    dropped = loader(repo, store, rows, create(1.0))
-    uncaptioned = loader(repo, store, [dataclasses.replace(r, text_key=empty) for r in rows], None)
-    own = loader(repo, store, rows, None)
-    for position in range(4):
-        assert same(dropped.at(position), uncaptioned.at(position))
-        assert not same(dropped.at(position), own.at(position))
+    assert dropout(0.0, store, rows) is None
+    assert_dropout_1_gives(repo, store, rows, [empty] * len(rows))
     # about half drop at 0.5, the same ones every time (a resumed run draws the same)
-    half = create(0.5)
+    half = dropout(0.5, store, rows)
     keys = [r.text_key for r in rows]
     own = [""] * len(keys)  # this family's samples have no empty caption of their own: they share one
     draws = [half.text_keys(0, p, keys, own) for p in range(20)]
     share = sum(k == empty for d in draws for k in d) / (20 * len(keys))
     assert 0.35 < share < 0.65
-    assert draws == [create(0.5).text_keys(0, p, keys, own) for p in range(20)]
+    assert draws == [dropout(0.5, store, rows).text_keys(0, p, keys, own) for p in range(20)]
     assert len({tuple(d) for d in draws}) == 20  # each position draws anew
     assert half.text_keys(1, 0, keys, own) != draws[0]  # data-parallel ranks draw their own
 
@@ -107,12 +116,10 @@ def test_dropout_1_gives_every_sample_the_empty_caption(encoded, monkeypatch):
 def test_a_missing_empty_caption_entry_names_the_fix(tmp_path, encoded, monkeypatch):
     repo, _, _ = encoded
     monkeypatch.chdir(repo)
-    params = load_params("params.yaml")
     with pytest.raises(DataError, match=r"train.caption_dropout is 0.5, but the empty caption's text entry .* is not "
                                         r"in the store .* the encode stage embeds it when train.caption_dropout > 0: "
                                         r"run `dvc repro --force --single-item encode`"):
-        CaptionDropout.create(0.5, 0, load_adapter(params.model), params.model, params.encode.text_max_length,
-                              Store(tmp_path / "empty"), read_rows("data/encoded.parquet", "train"))
+        dropout(0.5, Store(tmp_path / "empty"), read_rows("data/encoded.parquet", "train"))
 
 
 def test_range():
@@ -184,20 +191,10 @@ def test_an_edit_family_embeds_the_empty_caption_read_with_each_samples_image(ed
 def test_an_edit_family_drops_each_sample_to_its_own_empty_caption(edit_encoded, monkeypatch):
     repo, store_dir, _, rows, _ = edit_encoded
     monkeypatch.chdir(repo)
-    params = load_params("params.yaml")
-    adapter, store = load_adapter(params.model), Store(store_dir)
-    def create(probability: float, train_rows: list) -> CaptionDropout | None:
-        return CaptionDropout.create(probability, 0, adapter, params.model, params.encode.text_max_length, store,
-                                     train_rows)
-
-    dropped = loader(repo, store, rows[0.5], create(1.0, rows[0.5]))
-    uncaptioned = loader(repo, store, [dataclasses.replace(r, text_key=r.empty_text_key) for r in rows[0.5]], None)
-    own = loader(repo, store, rows[0.5], None)
-    for position in range(4):
-        assert same(dropped.at(position), uncaptioned.at(position))
-        assert not same(dropped.at(position), own.at(position))
+    store = Store(store_dir)
+    assert_dropout_1_gives(repo, store, rows[0.5], [r.empty_text_key for r in rows[0.5]])
     # a table encoded without dropout has no such entries: an error naming the fix, before step 1
     with pytest.raises(DataError, match=r"train.caption_dropout is 0.5, but sample .* has no empty-caption entry "
                                         r"read with its image; the encode stage embeds them when "
                                         r"train.caption_dropout > 0: run `dvc repro --force --single-item encode`"):
-        create(0.5, rows[0.0])
+        dropout(0.5, store, rows[0.0])
