@@ -105,6 +105,14 @@ VARIANTS = {
     "cap24": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20, "max_gpu_memory_gb": 24},
     # with --base-dtype float8 the frozen weights take half the memory: these caps need fewer or no swapped blocks
     "cap24-noswap": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 24},
+    # swapped blocks copied when needed (train.swap_prefetch: false) against copied ahead, overlapping the compute
+    "cap24-noprefetch": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20,
+                         "swap_prefetch": False, "max_gpu_memory_gb": 24},
+    "cap24-compile": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20, "compile": True,
+                      "max_gpu_memory_gb": 24},
+    **{f"cap24-swap{n}-keep-attention-compile": {
+        "plain": False, "activation_checkpointing": True, "activation_checkpointing_keep": "attention",
+        "blocks_to_swap": n, "compile": True, "max_gpu_memory_gb": 24} for n in (20, 14, 10)},
     "cap16": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 8, "max_gpu_memory_gb": 16},
     # only a share of the layers recompute (train.activation_checkpointing_share): the rest keep their activations
     **{f"cap24-noswap-share{round(share * 100)}": {

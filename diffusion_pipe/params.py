@@ -344,6 +344,9 @@ class TrainParams:
     activation_checkpointing_keep: Literal["", "attention", "narrow"] = ""
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
+    # with blocks_to_swap: copy the next swapped block's weights while the current one computes (one more block's
+    # weights on the GPU at a time); false: copy each block's when it is needed, the compute waiting for the copy
+    swap_prefetch: bool = True
     max_gpu_memory_gb: float = 0.0  # cap this process's GPU memory (0: no cap), e.g. to prove a 24 GB fit
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every_steps: int = 0  # 0: only at the end (and on Ctrl-C)

@@ -34,3 +34,19 @@ def test_example_trains_on_gpu(tmp_path, dtype, compile_layers):
     run_dir = repo / "runs/checkpoints" / report["run_id"]
     kept = sorted(int(p.name[4:]) for p in run_dir.glob("step*"))
     assert len(kept) == 2 and kept[-1] == STEPS
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_swapped_blocks_train_as_blocks_kept_on_the_gpu(tmp_path, compile_layers):
+    """Swapped blocks' weights copy ahead on a stream of their own while the block before computes: the losses are
+    those of the run that keeps every block on the GPU (a weight read before its copy landed would change them)."""
+    def losses(name: str, swap: int) -> list[float]:
+        _, _, rows = train_example(tmp_path / name, {
+            "steps: 120": "steps: 12", "eval_every_steps: 40": "eval_every_steps: 0\n  device: cuda\n"
+            f"  activation_checkpointing: true\n  blocks_to_swap: {swap}\n  compile: {str(compile_layers).lower()}"},
+            dvc=False)
+        return [float(r["loss"]) for r in rows]
+
+    kept = losses("kept", 0)
+    assert len(kept) == 12
+    assert losses("swapped", 2) == pytest.approx(kept, rel=1e-5)

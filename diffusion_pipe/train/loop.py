@@ -92,9 +92,9 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
     how many are kept do not change what is trained, so they are left out: changing them continues the run (as do
-    samples and the LoRAs written along the way)."""
+    samples, the LoRAs written along the way, and whether swapped blocks are copied ahead)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
-               "save_lora_every_steps")
+               "save_lora_every_steps", "swap_prefetch")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
@@ -165,7 +165,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if dist.device.type == "cuda" and train.max_gpu_memory_gb:
         total = torch.cuda.get_device_properties(dist.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, train.max_gpu_memory_gb * 2**30 / total), dist.device)
-    layers = apply_block_swap(local.layers, (local.start, local.stop), train.blocks_to_swap, dist.device)
+    layers = apply_block_swap(local.layers, (local.start, local.stop), train.blocks_to_swap, dist.device,
+                              prefetch=train.swap_prefetch)
     module = build_pipeline_module(layers, train.pipeline_stages, loss_fn, train.activation_checkpointing,
                                    train.seed, (local.start, local.stop), compile_layers=train.compile,
                                    checkpointing_share=train.activation_checkpointing_share,

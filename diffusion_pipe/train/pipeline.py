@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.common import DTYPES, resolve_device
+from diffusion_pipe.train.swap import SwappedLayer
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,22 @@ def recompute_in_backward(layer: nn.Module, compile_forward: bool = False, keep:
     compiled inside the checkpoint, as DeepSpeed's per-layer checkpointing wraps a compiled layer (a checkpoint
     traced by the compiler failed on the H200)."""
     checkpoint = checkpoint_function(keep)
-    forward = torch.compile(layer.forward) if compile_forward else layer.forward
+    if isinstance(layer, SwappedLayer):  # it loads its weights in its forward: inside this checkpoint
+        layer.recomputed_outside()
+    forward = _compiled_forward(layer) if compile_forward else layer.forward
 
     def recomputed(inputs):
         return checkpoint(forward, inputs) if torch.is_grad_enabled() else forward(inputs)
 
     layer.forward = recomputed
+
+
+def _compiled_forward(layer: nn.Module) -> Callable:
+    """`layer`'s forward, compiled; a swapped layer compiles the layer it wraps and keeps its loading eager."""
+    if isinstance(layer, SwappedLayer):
+        layer.compile()
+        return layer.forward
+    return torch.compile(layer.forward)
 
 
 def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Callable,
@@ -234,18 +245,22 @@ def build_pipeline_module(layers: list[nn.Module], num_stages: int, loss_fn: Cal
 
     layers = list(layers)
     start, stop = local
-    partial = activation_checkpointing and checkpointing_share < 1.0
+    every = activation_checkpointing and checkpointing_share >= 1.0  # DeepSpeed checkpoints every layer
+    partial = activation_checkpointing and not every
     recomputed = set(recomputed_layers(start, stop, checkpointing_share)) if partial else set()
     for i in range(start, stop):
         if i in recomputed:
             recompute_in_backward(layers[i], compile_forward=compile_layers, keep=checkpointing_keep)
-        elif compile_layers:
+            continue
+        if every and isinstance(layers[i], SwappedLayer):
+            layers[i].recomputed_outside()
+        if compile_layers:
             layers[i].compile()
     if stop < len(layers):
         layers[stop - 1] = StageBoundary(layers[stop - 1])
 
     checkpoint_kwargs = {}
-    if activation_checkpointing and checkpointing_share >= 1.0:
+    if every:
         # DeepSpeed's default (reentrant) checkpoint fails on tuple activations between stages.
         checkpoint_kwargs = {"activation_checkpoint_interval": 1,
                              "activation_checkpoint_func": checkpoint_function(checkpointing_keep)}

@@ -13,6 +13,7 @@ from torch import nn
 from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.params import TrainParams
 from diffusion_pipe.train.pipeline import recompute_in_backward, recomputed_layers
+from diffusion_pipe.train.swap import SwapQueue, SwappedLayer
 from tests.conftest import REPO
 from tests.train.test_options import _encoded_repo, _train
 
@@ -127,9 +128,9 @@ class Attending(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x))), label
 
 
-def _op_counts(keep: str | None) -> tuple[dict[str, int], torch.Tensor]:
+def _op_counts(keep: str | None, swapped: bool = False) -> tuple[dict[str, int], torch.Tensor]:
     """How often each kind of op ran in one forward and backward of an `Attending` layer recomputed with `keep`
-    (None: not recomputed), and the input's gradient."""
+    (None: not recomputed), and the input's gradient; `swapped`: its weights frozen and swapped (block swap)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"matmul": 0, "attention": 0, "norm": 0}
@@ -144,6 +145,8 @@ def _op_counts(keep: str | None) -> tuple[dict[str, int], torch.Tensor]:
             return func(*args, **(kwargs or {}))
 
     layer = Attending()
+    if swapped:
+        layer = SwappedLayer(layer.requires_grad_(False), SwapQueue(torch.device("cpu")))
     if keep is not None:
         recompute_in_backward(layer, keep=keep)
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -166,6 +169,17 @@ def test_selective_checkpointing_runs_again_only_what_it_does_not_keep():
     assert attention["matmul"] == full["matmul"] and attention["attention"] == plain["attention"]
     for g in (full_grad, attention_grad, narrow_grad):
         torch.testing.assert_close(g, grad)
+
+
+def test_a_swapped_layer_recomputes_as_the_pipeline_says():
+    """A swapped layer (which must recompute: its weights are gone after its forward) recomputed by the pipeline
+    keeps what the pipeline's `keep` says, as any layer: its own checkpoint inside would recompute everything."""
+    plain, grad = _op_counts(None)
+    own, own_grad = _op_counts(None, swapped=True)  # not recomputed by the pipeline: its own checkpoint, whole
+    attention, attention_grad = _op_counts("attention", swapped=True)
+    assert attention["attention"] == plain["attention"] < own["attention"]
+    torch.testing.assert_close(attention_grad, grad)
+    torch.testing.assert_close(own_grad, grad)
 
 
 def test_keep_needs_checkpointing_on():

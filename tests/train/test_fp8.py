@@ -7,7 +7,7 @@ from torch import nn
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.train.build import build_local_model
 from diffusion_pipe.train.fp8 import Fp8Linear, dequantise, quantise_frozen_linears, quantise_rows
-from diffusion_pipe.train.swap import SwappedLayer
+from diffusion_pipe.train.swap import SwapQueue, SwappedLayer
 
 
 def test_row_quantisation_error_is_bounded():
@@ -110,8 +110,8 @@ def test_swapped_block_moves_fp8(tiny_flux_dir):
     """Block swap keeps and moves the fp8 storage (half the bytes of bf16), and the block still computes."""
     _, local = build(tiny_flux_dir, "float8")
     block = local.layers[1]
-    swapped = SwappedLayer(block, torch.device("cpu"))
-    fp8_masters = [m for _, _, m in swapped._slots if m.dtype == torch.float8_e4m3fn]
+    swapped = SwappedLayer(block, SwapQueue(torch.device("cpu")))
+    fp8_masters = [m for _, _, m in swapped.slots if m.dtype == torch.float8_e4m3fn]
     assert fp8_masters and len(fp8_masters) == sum(isinstance(m, Fp8Linear) for m in block.modules())
 
 
