@@ -1,6 +1,7 @@
 """Block swapping changes where frozen weights wait, not what is computed."""
 
 import ast
+import dataclasses
 import subprocess
 import sys
 
@@ -113,3 +114,18 @@ def test_the_next_swapped_block_copies_while_one_computes(share):
     assert swapped == [(1, "forward", 2), (2, "forward", 3), (3, "forward", None),
                        (3, "backward", 2), (2, "backward", 1), (1, "backward", None)]
     assert {entry[2] for entry in _pipeline_log(share, prefetch=False)[0]} == {None}
+
+
+def test_copying_ahead_is_not_part_of_the_run():
+    """`swap_prefetch` changes when weights copy, not what is trained: switching it continues the run."""
+    from diffusion_pipe.params import TrainParams, load_params
+    from diffusion_pipe.train.loop import run_identity
+
+    model = load_params(REPO / "params.yaml").model
+
+    def identity(train: TrainParams) -> dict:
+        return run_identity(model, train, REPO / "params.yaml", 32, 1)
+
+    train = TrainParams(blocks_to_swap=2)
+    assert identity(dataclasses.replace(train, swap_prefetch=False)) == identity(train)
+    assert identity(dataclasses.replace(train, blocks_to_swap=3)) != identity(train)
