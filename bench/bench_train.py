@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,9 +102,6 @@ def make_data(store_root: Path, encoded: Path, model_dir: Path, shape: dict, n: 
 VARIANTS = {
     "eager": {"plain": True, "max_gpu_memory_gb": 80},
     "compile": {"plain": True, "compile": True, "max_gpu_memory_gb": 80},
-    # cuDNN's attention kernel first (train.attention), against "eager" / "compile"
-    "eager-cudnn": {"plain": False, "attention": "cudnn", "max_gpu_memory_gb": 80},
-    "compile-cudnn": {"plain": False, "compile": True, "attention": "cudnn", "max_gpu_memory_gb": 80},
     "cap48": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 48},
     "cap24": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20, "max_gpu_memory_gb": 24},
     # with --base-dtype float8 the frozen weights take half the memory: these caps need fewer or no swapped blocks
@@ -170,8 +168,11 @@ train:
 
 
 def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, profile: Path | None) -> dict:
-    """Our train stage as users run it (a fresh process); returns its report plus the process's wall time."""
+    """Our train stage as users run it (a fresh process, a fresh run: an earlier bench's checkpoints of the same
+    variant are removed, else the stage would find that run finished and train no step); returns its report plus
+    the process's wall time."""
     runs = work / f"runs-{tag}"
+    shutil.rmtree(runs, ignore_errors=True)
     env = dict(os.environ, DIFFUSION_PIPE_STORE=str(store), PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
     if profile:
         env["DIFFUSION_PIPE_PROFILE"] = str(profile)

@@ -133,7 +133,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     empty) under `runs_root/loras/<run id>/` (train/step_loras.py)."""
     import deepspeed
 
-    dist = init_distributed(train.device, train.attention)
+    dist = init_distributed(train.device)
     check_dtype_supported(model.dtype)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")

@@ -78,22 +78,8 @@ def process_placement(env: Mapping[str, str], use_cuda: bool, gpus: int) -> tupl
     return rank, world, local_rank, process_device(use_cuda, local_rank, gpus)
 
 
-def use_attention_kernel(kernel: str) -> None:
-    """Make `kernel` the SDPA kernel torch tries first for the rest of the process (compiled layers pick theirs
-    when they compile): "flash" (torch's flash attention, then memory-efficient; cuDNN's is off, as it once hit
-    an illegal memory access in a Flux backward, NOTES.md) or "cudnn" (cuDNN's, then flash, then
-    memory-efficient: `bench/bench_attention.py` compares them)."""
-    from torch.nn.attention import SDPBackend, _sdpa_kernel
-
-    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if kernel == "cudnn":
-        order.insert(0, SDPBackend.CUDNN_ATTENTION)
-    _sdpa_kernel(order, set_priority=True)  # what `sdpa_kernel` enters, kept for the process
-
-
-def init_distributed(device_name: str, attention: str = "flash") -> Dist:
-    """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU. On GPUs, `attention`
-    picks the attention kernel tried first (`use_attention_kernel`)."""
+def init_distributed(device_name: str) -> Dist:
+    """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU."""
     use_cuda = resolve_device(device_name, "train.device").type == "cuda"
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -104,7 +90,9 @@ def init_distributed(device_name: str, attention: str = "flash") -> Dist:
                                                         torch.cuda.device_count() if use_cuda else 0)
     if use_cuda:
         torch.cuda.set_device(device)
-        use_attention_kernel(attention)
+        # cuDNN's attention backend hit an illegal memory access in a Flux backward on the H200 (NOTES.md);
+        # flash/efficient SDPA kernels remain.
+        torch.backends.cuda.enable_cudnn_sdp(False)
         # The fp32 LoRA matmuls may use TF32 tensor cores; the frozen base runs in its own dtype.
         torch.backends.cuda.matmul.allow_tf32 = True
     if "RANK" not in os.environ and not torch.distributed.is_initialized():
