@@ -55,6 +55,8 @@ RESUME = "tests/train/test_resume.py"
 REMOTE_TESTS = ("tests/encode/test_remote.py::test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it",)
 LINEAGE_TESTS = ("tests/lineage",)
 EXPORT = "diffusion_pipe/export/lora.py"
+SWAP = "diffusion_pipe/train/swap.py"
+SWAP_TESTS = ("tests/train/test_swap.py",)
 PLAN_TESTS = ("tests/encode/test_plan.py",)
 ORDER_TESTS = ("tests/store/test_write_order.py",)
 EXPORT_TESTS = ("tests/export/test_export_stage.py", "tests/export/test_merge.py")
@@ -490,6 +492,19 @@ MUTATIONS: list[Mutation] = [
     Mutation("bench-contract-class-unique", "bench/bench_family.py",
              "    return min(classes, key=lambda c: len(c.__mro__))()", "    (only,) = classes\n    return only()",
              ("tests/test_bench.py",), "the plain loop of a family with a variant contract class cannot start"),
+    Mutation("swap-prefetch-one-direction", SWAP, "(-1 if _in_backward() else 1)", "1", SWAP_TESTS,
+             "backward's recomputations copy the wrong block ahead (and wait for every copy)"),
+    Mutation("swap-prefetch-ignored", SWAP, "prefetch and self.prefetch", "prefetch", SWAP_TESTS,
+             "swap_prefetch: false still copies ahead (one more block's memory)"),
+    Mutation("swap-prefetch-never", SWAP, "        if following is not None:\n", "        if False:\n", SWAP_TESTS,
+             "no copy overlaps the compute"),
+    Mutation("swap-nested-checkpoint", SWAP, "        self.checkpointed_outside = True\n", "        pass\n",
+             ("tests/train/test_checkpointing.py::test_a_swapped_layer_recomputes_as_the_pipeline_says",),
+             "a swapped block recomputes everything inside the pipeline's selective checkpoint"),
+    Mutation("swap-prefetch-in-run-identity", LOOP, ', "swap_prefetch")', ")", ("tests/train/test_swap.py",),
+             "switching swap_prefetch starts a new run instead of continuing"),
+    Mutation("swap-loads-without-checkpoint", SWAP, "            if self.checkpointed_outside:\n",
+             "            if True:\n", SWAP_TESTS, "a block that checkpoints itself keeps its weights until backward"),
 ]
 
 
