@@ -27,12 +27,21 @@ a multiple of their register count (128).
 
 Latent packing, normalisation and the rotary coordinates are LTX2Pipeline's and its transformer's own
 (`_pack_latents`, `_normalize_latents`, `rope.prepare_video_coords` at the pipeline's default 24 fps); this file only
-splits the transformer's forward into pipeline layers. Samples are not rendered yet: LTX2Pipeline takes Gemma's
-states and runs the connectors itself, so stored connector outputs cannot drive it.
+splits the transformer's forward into pipeline layers.
+
+Samples. LTX2Pipeline always denoises audio beside the video and runs the connectors itself on Gemma's states, so
+neither stored connector outputs nor a video-only LoRA can drive it as it is. Samples render through
+`LTX2VideoPipeline`, LTX2Pipeline with a video-only `__call__` (as ltx-trainer validates video-only LoRAs): the
+same noise schedule (sigmas from 1 to 1/steps, shifted by the token count), scheduler, latent statistics, VAE
+decode and post-processing, and the video-only forward this family trains (these pipeline layers), with
+classifier-free guidance over the negative prompt; the pipeline's extra guidances (spatio-temporal, modality
+isolation, rescaling) are left out. The sample stage loads it with `from_pretrained` and `load_lora_weights` as
+any LTX2Pipeline.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from functools import cached_property
@@ -138,6 +147,74 @@ class LTX2Out(nn.Module):
         values = self.top.scale_shift_table[None, None] + embedded[:, :, None]
         shift, scale = values[:, :, 0], values[:, :, 1]
         return self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)
+
+
+def video_layers(transformer: nn.Module) -> list[nn.Module]:
+    """The transformer's video-only forward as a sequence of layers (training's pipeline layers, and samples')."""
+    prompt_modulated = getattr(transformer, "prompt_adaln", None) is not None
+    return [LTX2Embed(transformer, FRAME_RATE),
+            *(LTX2Block(b, prompt_modulated) for b in transformer.transformer_blocks), LTX2Out(transformer)]
+
+
+@functools.cache
+def video_pipeline_cls() -> type:
+    """`LTX2VideoPipeline`: LTX2Pipeline rendering video alone from stored connector outputs (module docstring).
+    Made on first use, so importing this module does not import diffusers' pipelines."""
+    import numpy as np
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2PipelineOutput, calculate_shift, retrieve_timesteps
+    from diffusers.utils.torch_utils import randn_tensor
+
+    class LTX2VideoPipeline(_pipeline_cls()):
+        @torch.no_grad()
+        def __call__(self, height: int, width: int, num_frames: int, num_inference_steps: int, generator,
+                     prompt_embeds: torch.Tensor, prompt_attention_mask: torch.Tensor,
+                     negative_prompt_embeds: torch.Tensor | None = None,
+                     negative_prompt_attention_mask: torch.Tensor | None = None, guidance_scale: float = 4.0,
+                     output_type: str = "np"):
+            """Video frames (`output_type` as LTX2Pipeline's) of each prompt from its connector outputs and mask;
+            `generator` (one per prompt) draws the starting noise."""
+            device, transformer = self._execution_device, self.transformer
+            s, st = self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio
+            p, pt = self.transformer_spatial_patch_size, self.transformer_temporal_patch_size
+            shape = (prompt_embeds.shape[0], transformer.config.in_channels, (num_frames - 1) // st + 1,
+                     height // s, width // s)
+            latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"),
+                                   dtype=torch.float32).to(device)
+            c = self.scheduler.config
+            mu = calculate_shift(shape[2] // pt * (shape[3] // p) * (shape[4] // p), c.get("base_image_seq_len", 1024),
+                                 c.get("max_image_seq_len", 4096), c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+            timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device, mu=mu,
+                                              sigmas=np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
+            self.scheduler.set_begin_index(0)
+            guided = guidance_scale > 1 and negative_prompt_embeds is not None
+            text = torch.cat([negative_prompt_embeds, prompt_embeds]) if guided else prompt_embeds
+            mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask]) if guided else \
+                prompt_attention_mask
+            layers, dtype = video_layers(transformer), transformer.dtype
+            with self.progress_bar(total=len(timesteps)) as bar:
+                for t in timesteps:
+                    x = torch.cat([latents] * 2) if guided else latents
+                    out = (x.to(dtype), (t / 1000).expand(x.shape[0]).to(dtype), text.to(device, dtype),
+                           mask.to(device, dtype))
+                    for layer in layers:
+                        out = layer(out)
+                    velocity = self._unpack_latents(out, shape[2] // pt, shape[3] // p, shape[4] // p, p, pt).float()
+                    if guided:
+                        uncond, cond = velocity.chunk(2)
+                        velocity = uncond + guidance_scale * (cond - uncond)
+                    latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
+                    bar.update()
+            if output_type == "latent":
+                return LTX2PipelineOutput(frames=latents, audio=None)
+            vae = self.vae
+            latents = self._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+            # the pipeline's default decode: timestep 0, no decode noise
+            timestep = latents.new_zeros(shape[0]).to(vae.dtype) if vae.config.timestep_conditioning else None
+            video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+            return LTX2PipelineOutput(frames=self.video_processor.postprocess_video(video, output_type=output_type),
+                                      audio=None)
+
+    return LTX2VideoPipeline
 
 
 class LTX2Adapter(Adapter):
@@ -261,9 +338,7 @@ class LTX2Adapter(Adapter):
                 "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ff.net.0.proj", "ff.net.2")
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[nn.Module]:
-        prompt_modulated = getattr(denoiser, "prompt_adaln", None) is not None
-        return [LTX2Embed(denoiser, FRAME_RATE), *(LTX2Block(b, prompt_modulated) for b in denoiser.transformer_blocks),
-                LTX2Out(denoiser)]
+        return video_layers(denoiser)
 
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:
@@ -276,6 +351,20 @@ class LTX2Adapter(Adapter):
         _, _, f, h, w = like.shape
         p, pt = c["patch_size"], c["patch_size_t"]
         return _pipeline_cls()._unpack_latents(prediction, f // pt, h // p, w // p, p, pt)
+
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        """LTX2Pipeline rendering video only (`video_pipeline_cls`)."""
+        return video_pipeline_cls()
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict, guidance: float, cfg_scale: float) -> dict:
+        """`guidance` is the classifier-free guidance scale over the negative prompt's connector outputs; the masks
+        travel with them."""
+        return {"prompt_embeds": text["text"][None].to(self.dtype),
+                "prompt_attention_mask": text["text_mask"][None].to(self.dtype),
+                "negative_prompt_embeds": negative["text"][None].to(self.dtype),
+                "negative_prompt_attention_mask": negative["text_mask"][None].to(self.dtype),
+                "guidance_scale": guidance}
 
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:

@@ -48,6 +48,58 @@ class TestLTX2Contract(AdapterContract):
     def unsplit_forward(self, adapter, denoiser, inputs, like):
         return transformer_video(adapter, denoiser, inputs, audio_inputs(denoiser, len(like), inputs[2].shape[1]))
 
+    def test_sample_steps_follow_the_guided_video_prediction(self, adapter, lora_model):
+        """Two steps of LTX2VideoPipeline are two Euler steps along v over its scheduler's sigmas (s0 = 1, s1, 0)
+        from the noise the prompt's generator draws: v the trained video-only forward's prediction at t = sigma
+        for the prompt's connector outputs, guided over the negative prompt's (scale 3). So samples render what
+        training teaches, in the pipeline's units."""
+        denoiser, _ = lora_model
+        text, negative = adapter.encode_text(adapter.load_text_encoders(CPU), ["a red square", ""],
+                                             self.text_max_length)
+        pipe = adapter.sample_pipeline(denoiser, adapter.load_vae(CPU))
+        with torch.no_grad():
+            got = pipe(height=32, width=48, num_frames=9, num_inference_steps=2, output_type="latent",
+                       generator=[torch.Generator().manual_seed(5)],
+                       **adapter.sample_inputs(text, negative, 3.0, 1.0)).frames
+            s0, s1, end = pipe.scheduler.sigmas.tolist()
+            x = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+
+            def velocity(x, sigma):
+                def predict(entry):
+                    out = adapter.model_inputs(x, torch.tensor([sigma]), {k: v[None] for k, v in entry.items()}, 1.0)
+                    for layer in adapter.pipeline_layers(denoiser):
+                        out = layer(out)
+                    return adapter.prediction_to_latents(out, x)
+
+                uncond, cond = predict(negative), predict(text)
+                assert (cond - uncond).abs().max() > 1e-3  # the guidance term is not vacuous
+                return uncond + 3.0 * (cond - uncond)
+
+            assert s0 == 1.0 and 0 < s1 < 1 and end == 0
+            x = x + (s1 - s0) * velocity(x, s0)
+            want = x + (end - s1) * velocity(x, s1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    def test_the_sample_stage_loads_the_video_pipeline_and_the_lora(self, adapter, lora_model, model_dir):
+        """As the sample stage loads it (from_pretrained without the text components, then load_lora_weights of
+        the exported diffusers file), the video-only pipeline renders, and the LoRA changes what it renders."""
+        _, lora = lora_model
+        text, negative = adapter.encode_text(adapter.load_text_encoders(CPU), ["a red square", ""],
+                                             self.text_max_length)
+        pipe = adapter.pipeline_class().from_pretrained(model_dir, torch_dtype=torch.float32, text_encoder=None,
+                                                        tokenizer=None, connectors=None)
+
+        def render():
+            return pipe(height=32, width=32, num_frames=9, num_inference_steps=2, output_type="np",
+                        generator=[torch.Generator().manual_seed(1)],
+                        **adapter.sample_inputs(text, negative, 3.0, 1.0)).frames
+
+        without = render()
+        pipe.load_lora_weights({k: v.clone() for k, v in adapter.export_lora(lora, "diffusers").items()})
+        with_lora = render()
+        assert without.shape == with_lora.shape == (1, 9, 32, 32, 3)
+        assert abs(with_lora - without).max() > 1e-4
+
     def test_the_video_prediction_ignores_the_audio_stream(self, adapter, lora_model):
         """With modalities isolated, as the layers compute, other audio latents and audio text predict the same
         video; with audio-to-video attention on (the pipeline's main pass) they do not: the layers leave out a path

@@ -66,7 +66,8 @@ class Frozen(nn.Module):
 
 
 # Six Frozen blocks, blocks 1-3 swapped, in a PipelineModule built as the train stage builds it (a world of one
-# on gloo), one forward and backward; prints the log and the blocks whose weights loaded, in order. argv: checkpointing share (0: off), prefetch (0/1).
+# on gloo), one forward and backward; prints the log and the blocks whose weights loaded, in order.
+# argv: checkpointing share (0: off), prefetch (0/1).
 _PIPELINE_SCRIPT = """
 import sys, torch
 from diffusion_pipe.train.pipeline import build_pipeline_module, init_distributed
@@ -75,7 +76,8 @@ from tests.train.test_swap import Frozen
 init_distributed("cpu")
 log = []
 torch.manual_seed(0)
-layers = apply_block_swap([Frozen(i, log) for i in range(6)], (0, 6), 3, torch.device("cpu"), prefetch=sys.argv[2] == "1")
+layers = apply_block_swap([Frozen(i, log) for i in range(6)], (0, 6), 3, torch.device("cpu"),
+                          prefetch=sys.argv[2] == "1")
 loads = []
 for layer in layers:
     if isinstance(layer, SwappedLayer):
