@@ -142,9 +142,20 @@ VARIANTS = {
        for keep in ("narrow", "attention") for suffix in ("", "-compile")},
     # full fine-tuning (train.adapter: full): every weight trains, fp32 masters and AdamW state for each
     "full": {"plain": False, "adapter": "full"},
+    # several samples a step: 4 micro-batches of 1 (gradient accumulation), 2 of 2, one of 2, eager and compiled;
+    # the table's s/sample against "eager" / "compile" shows what each micro-batch costs beyond its compute
+    **{f"{name}{suffix}": {"plain": False, "gradient_accumulation_steps": ga, "micro_batch_size": mb,
+                           "compile": suffix == "-compile", "max_gpu_memory_gb": 80}
+       for name, ga, mb in (("ga4", 4, 1), ("ga2-mb2", 2, 2), ("mb2", 1, 2)) for suffix in ("", "-compile")},
     # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()
     "samples": {"plain": False, "max_gpu_memory_gb": 80},
 }
+
+
+def samples_per_step(variant: dict) -> int:
+    """Samples one optimizer step of `variant` trains (micro-batches x their size); FLOPs and speed per sample
+    divide by it."""
+    return variant.get("gradient_accumulation_steps", 1) * variant.get("micro_batch_size", 1)
 
 
 def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: str, variant: dict,
@@ -157,14 +168,14 @@ scan: {{datasets: [{{path: .}}]}}
 encode: {{text_max_length: {shape['text_len']}}}
 train:
   steps: {steps}
-  micro_batch_size: 1
+  micro_batch_size: {variant.get("micro_batch_size", 1)}
   learning_rate: 1.0e-4
   lora_rank: 32
   lora_alpha: 32.0
   device: {'cuda' if device == 'cuda' else 'cpu'}
 """ + (f"  guidance: {guidance}\n" if guidance is not None else "")
         + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in variant.items()
-                  if k != "plain" and (device == "cuda" or k != "max_gpu_memory_gb")))
+                  if k not in ("plain", "micro_batch_size") and (device == "cuda" or k != "max_gpu_memory_gb")))
 
 
 def run_ours(work: Path, params: Path, encoded: Path, store: Path, tag: str, profile: Path | None) -> dict:
@@ -326,16 +337,18 @@ def main() -> None:
     eager = results.get("eager", {}).get("plain", {}).get("step_seconds")
     print(f"\n{args.shape} on {results['gpu'] or 'cpu'}; model FLOPs/step {results.get('flops_per_step') or 0:.3e}"
           + (f"; bf16 matmul peak {results['peak_flops'] / 1e12:.0f} TFLOP/s" if results["peak_flops"] else ""))
-    print(f"{'variant':<14} {'runner':<6} {'s/step':>8} {'x eager plain':>14} {'MFU':>6} {'peak GB':>8}")
+    print(f"{'variant':<14} {'runner':<6} {'s/step':>8} {'s/sample':>8} {'x eager plain':>14} {'MFU':>6} "
+          f"{'peak GB':>8}")
     for variant in args.variants.split(","):
+        per_step = samples_per_step(VARIANTS[variant])
         for runner in ("plain", "ours"):
             if runner not in results[variant]:
                 continue
             r = results[variant][runner]
-            mfu = (results["flops_per_step"] / r["step_seconds"] / results["peak_flops"]
+            mfu = (results["flops_per_step"] * per_step / r["step_seconds"] / results["peak_flops"]
                    if results["peak_flops"] and results.get("flops_per_step") else None)
-            print(f"{variant:<14} {runner:<6} {r['step_seconds']:>8.3f} "
-                  f"{(eager / r['step_seconds']) if eager else float('nan'):>14.2f} "
+            print(f"{variant:<14} {runner:<6} {r['step_seconds']:>8.3f} {r['step_seconds'] / per_step:>8.3f} "
+                  f"{(eager * per_step / r['step_seconds']) if eager else float('nan'):>14.2f} "
                   f"{(f'{mfu:.0%}' if mfu else '-'):>6} {r['max_memory_gb'] or '-':>8}")
     if "samples" in results:
         r = results["samples"]["samples"]
