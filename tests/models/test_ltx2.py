@@ -80,6 +80,28 @@ class TestLTX2Contract(AdapterContract):
             want = x + (end - s1) * velocity(x, s1)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
+    def test_samples_decode_as_the_pipeline_decodes(self, adapter, lora_model):
+        """The frames are LTX2Pipeline's decode of the denoised latents: un-normalised with the VAE's stored mean
+        and std (which training normalised with), decoded, post-processed."""
+        denoiser, _ = lora_model
+        text, negative = adapter.encode_text(adapter.load_text_encoders(CPU), ["a red square", ""],
+                                             self.text_max_length)
+        vae = adapter.load_vae(CPU)
+        pipe = adapter.sample_pipeline(denoiser, vae)
+
+        def render(output_type):
+            return pipe(height=32, width=32, num_frames=9, num_inference_steps=2, output_type=output_type,
+                        generator=[torch.Generator().manual_seed(3)],
+                        **adapter.sample_inputs(text, negative, 3.0, 1.0)).frames
+
+        with torch.no_grad():
+            latents, frames = render("latent"), render("np")
+            mean, std, scaling = adapter._latent_stats
+            assert not torch.allclose(std, torch.ones_like(std))  # the statistics are not an identity here
+            raw = pipe._denormalize_latents(latents, mean, std, scaling)
+            want = pipe.video_processor.postprocess_video(vae.decode(raw, None, return_dict=False)[0], output_type="np")
+        assert abs(frames - want).max() < 1e-5
+
     def test_the_sample_stage_loads_the_video_pipeline_and_the_lora(self, adapter, lora_model, model_dir):
         """As the sample stage loads it (from_pretrained without the text components, then load_lora_weights of
         the exported diffusers file), the video-only pipeline renders, and the LoRA changes what it renders."""
