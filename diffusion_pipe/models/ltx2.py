@@ -187,15 +187,14 @@ def video_pipeline_cls() -> type:
                                               sigmas=np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
             self.scheduler.set_begin_index(0)
             guided = guidance_scale > 1 and negative_prompt_embeds is not None
-            text = torch.cat([negative_prompt_embeds, prompt_embeds]) if guided else prompt_embeds
-            mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask]) if guided else \
-                prompt_attention_mask
             layers, dtype = video_layers(transformer), transformer.dtype
+            text = (torch.cat([negative_prompt_embeds, prompt_embeds]) if guided else prompt_embeds).to(device, dtype)
+            mask = (torch.cat([negative_prompt_attention_mask, prompt_attention_mask]) if guided else
+                    prompt_attention_mask).to(device, dtype)
             with self.progress_bar(total=len(timesteps)) as bar:
                 for t in timesteps:
                     x = torch.cat([latents] * 2) if guided else latents
-                    out = (x.to(dtype), (t / 1000).expand(x.shape[0]).to(dtype), text.to(device, dtype),
-                           mask.to(device, dtype))
+                    out = (x.to(dtype), (t / 1000).expand(x.shape[0]).to(dtype), text, mask)
                     for layer in layers:
                         out = layer(out)
                     velocity = self._unpack_latents(out, shape[2] // pt, shape[3] // p, shape[4] // p, p, pt).float()
