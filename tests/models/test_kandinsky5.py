@@ -113,7 +113,10 @@ class TestKandinsky5Contract(AdapterContract):
                     x = layer(x)
             outs.append(adapter.prediction_to_latents(x, latents)[:1])
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-        torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=1e-5)
+        # Beside a batchmate the matmuls run at batch 2, whose float32 kernels may sum in another order than at
+        # batch 1 (5e-5 apart on one CI machine, 5e-7 on another); padding leaking into the attention moves the
+        # prediction by about 0.3.
+        torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=1e-3)
 
     def test_first_layer_inputs_are_what_the_pipeline_feeds_its_transformer(self, adapter, model_dir):
         """The family's diffusers pipeline, given latents and a stored entry, calls its transformer with the
