@@ -161,7 +161,7 @@ def check_conditioning(row: dict, adapter: Adapter) -> None:
     whose control image is missing or unusable); else a ConfigError naming the dataset param to fix."""
     caps = adapter.capabilities
     wanted, got = caps.conditioning_latents, len(row.get("control_hashes") or ())
-    if caps.conditioning_rule and row["media"] == "image":
+    if "image" not in caps.media and row["media"] == "image":
         raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is an image, but model family "
                           f"'{adapter.name}' turns a first frame into a video and trains on clips; move the images "
                           "to a dataset of their own trained with a text-to-video family, or leave them out")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "auraflow": "diffusion_pipe.models.auraflow:AuraFlowAdapter",
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
+    "cosmos2": "diffusion_pipe.models.cosmos2:Cosmos2Adapter",
     "ernie_image": "diffusion_pipe.models.ernie_image:ErnieImageAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2": "diffusion_pipe.models.flux2:Flux2Adapter",

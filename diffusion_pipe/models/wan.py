@@ -152,8 +152,8 @@ class WanAdapter(Adapter):
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
         frames = pixels_BCFHW.shape[2]
         if (frames - 1) % self.vae_scale_temporal:
-            raise ValueError(f"family 'wan': {frames} frames; the Wan VAE needs 4k+1 frames (1, 5, 9, .., 81): "
-                             "set scan.datasets[].frames to such counts")
+            raise ValueError(f"family '{self.name}': {frames} frames; the Wan VAE needs 4k+1 frames (1, 5, 9, .., "
+                             "81): set scan.datasets[].frames to such counts")
         latents = vae.encode(pixels_BCFHW.to(vae.device, vae.dtype)).latent_dist.mode()
         return [{"latents": x.contiguous().cpu()} for x in latents]
 

@@ -18,7 +18,7 @@ from diffusion_pipe.example import make_moving_shapes_videos
 from diffusion_pipe.encode.encode import latent_sources, plan_samples
 from diffusion_pipe.encode.keys import latent_key
 from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, to_unit_range
-from diffusion_pipe.models import load_adapter
+from diffusion_pipe.models import adapter_class, load_adapter
 from diffusion_pipe.models.wan_i2v import CONDITION_RULE, WanI2VAdapter
 from diffusion_pipe.params import EncodeParams, ModelParams
 from diffusion_pipe.store import Store
@@ -38,8 +38,8 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def plan(model_dir: Path, rows: list[dict]):
-    model = from_dict(ModelParams, {"family": "wan_i2v", "path": str(model_dir), "dtype": "float32"}, "model")
+def plan(model_dir: Path, rows: list[dict], family: str = "wan_i2v"):
+    model = from_dict(ModelParams, {"family": family, "path": str(model_dir), "dtype": "float32"}, "model")
     params = from_dict(EncodeParams, {"text_max_length": 16}, "encode")
     return plan_samples(pa.Table.from_pylist(rows), load_adapter(model), model, params)
 
@@ -90,10 +90,15 @@ def test_a_declared_first_frame_keys_by_its_own_bytes(model_dir: Path, store_env
         (Path("/first/a.png"), "image")}
 
 
-def test_an_image_is_refused_with_the_dataset_named(model_dir: Path, store_env: Path) -> None:
+@pytest.mark.parametrize("family", ["wan_i2v", "cosmos2"])
+def test_an_image_is_refused_with_the_dataset_named(family: str, tmp_path: Path, store_env: Path) -> None:
+    """A family that trains on clips only (an image has no frames after its first to generate) refuses an image
+    item, naming it, whether its condition is a latent of its own (wan_i2v) or the clip's first frame (cosmos2)."""
+    adapter_class(family).build_tiny(tmp_path, seed=0)
     image = {**CLIP, "path": "b.png", "media": "image", "buckets": ["32x32x1"], "frame_starts": [0]}
-    with pytest.raises(ConfigError, match=r"clips/b\.png is an image, but model family 'wan_i2v' .*trains on clips"):
-        plan(model_dir, [CLIP, image])
+    with pytest.raises(ConfigError, match=rf"clips/b\.png is an image, but model family '{family}' .*trains on clips"):
+        plan(tmp_path, [CLIP, image], family)
+    assert plan(tmp_path, [CLIP], family)
 
 
 def test_the_stored_condition_is_the_rule_over_the_windows_first_frame(tmp_path: Path) -> None:
