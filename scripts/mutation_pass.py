@@ -422,6 +422,13 @@ MUTATIONS: list[Mutation] = [
              'if caps.conditioning_rule and row["media"] == "image":',
              ("tests/encode/test_first_frame_conditioning.py",),
              "an image item of a clips-only family without a conditioning rule trains with nothing to generate"),
+    Mutation("image-family-trains-videos", "diffusion_pipe/encode/encode.py",
+             'if "video" not in caps.media and row["media"] == "video":',
+             'if False and row["media"] == "video":', ("tests/encode/test_first_frame_conditioning.py",),
+             "a video in an image family's dataset reaches training"),
+    Mutation("cosmos2-image-takes-a-condition-mask", "diffusion_pipe/models/cosmos2_image.py",
+             "    conditioned: ClassVar[bool] = False", "    conditioned: ClassVar[bool] = True",
+             ("tests/models/test_cosmos2_image.py",), "Text2Image fed Video2World's condition-mask channel"),
     # Kandinsky 5 (kandinsky5: video; kandinsky5_image: image, the same layers over Flux's VAE)
     Mutation("kandinsky5-cross-attention-sees-padding", "diffusion_pipe/models/kandinsky5.py",
              "out = self.block(tokens, text[items, :n], temb[items], rope, None)",

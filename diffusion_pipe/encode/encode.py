@@ -156,15 +156,25 @@ def text_sources(samples: list[Sample], roots: dict[str, Path], control_roots: d
     return out
 
 
+def check_media(row: dict, adapter: Adapter) -> None:
+    """An item is of a medium the family trains on; else a ConfigError naming it: an image for a family that
+    generates clips from a first frame, a video for an image family."""
+    caps = adapter.capabilities
+    if "image" not in caps.media and row["media"] == "image":
+        raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is an image, but model family "
+                          f"'{adapter.name}' turns a first frame into a video and trains on clips; move the images "
+                          "to a dataset of their own trained with a text-to-video family, or leave them out")
+    if "video" not in caps.media and row["media"] == "video":
+        raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is a video, but model family "
+                          f"'{adapter.name}' trains on images; leave the videos out, or extract frames from them as "
+                          "images")
+
+
 def check_conditioning(row: dict, adapter: Adapter) -> None:
     """An item has as many control images as the family trains on per sample (the scan already excluded items
     whose control image is missing or unusable); else a ConfigError naming the dataset param to fix."""
     caps = adapter.capabilities
     wanted, got = caps.conditioning_latents, len(row.get("control_hashes") or ())
-    if "image" not in caps.media and row["media"] == "image":
-        raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is an image, but model family "
-                          f"'{adapter.name}' turns a first frame into a video and trains on clips; move the images "
-                          "to a dataset of their own trained with a text-to-video family, or leave them out")
     if got == wanted or (caps.conditioning_rule and not got):  # an i2v family takes the clip's own first frame
         return
     if not wanted:
@@ -228,6 +238,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     reads_image = adapter.capabilities.text_reads_conditioning
     samples = []
     for row in rows:
+        check_media(row, adapter)
         check_conditioning(row, adapter)
         tkey = texts[row["caption"]]
         vkeys = tuple(texts[c] for c in row.get("caption_variants") or ())

@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "auraflow": "diffusion_pipe.models.auraflow:AuraFlowAdapter",
     "chroma": "diffusion_pipe.models.chroma:ChromaAdapter",
     "cosmos2": "diffusion_pipe.models.cosmos2:Cosmos2Adapter",
+    "cosmos2_image": "diffusion_pipe.models.cosmos2_image:Cosmos2ImageAdapter",
     "ernie_image": "diffusion_pipe.models.ernie_image:ErnieImageAdapter",
     "flux": "diffusion_pipe.models.flux:FluxAdapter",
     "flux2": "diffusion_pipe.models.flux2:Flux2Adapter",

@@ -108,6 +108,12 @@ class Cosmos2Adapter(WanAdapter):
         media=("video",), tasks=("i2v",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
     experts: ClassVar[tuple[str, ...]] = ()
+    # Whether the transformer takes the condition-mask channel and a clip's first frame conditions the rest
+    # (Video2World); Text2Image's (family cosmos2_image) takes the latents alone.
+    conditioned: ClassVar[bool] = True
+    checkpoints: ClassVar[str] = ("Cosmos-Predict2 Video2World (nvidia/Cosmos-Predict2-2B-Video2World or "
+                                  "-14B-Video2World)")
+    pipeline_name: ClassVar[str] = "Cosmos2VideoToWorldPipeline"
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
         super().__init__(model_dir, dtype, expert)
@@ -115,19 +121,22 @@ class Cosmos2Adapter(WanAdapter):
             self.check_transformer(self.component_config("transformer"), self.component_config("vae")["z_dim"])
 
     def check_transformer(self, config: dict, z_dim: int) -> None:
-        """A ConfigError unless the transformer is Predict2 Video2World's: its input is the latents and the
-        condition mask (Text2Image's takes the latents alone), with no learnable positions (Cosmos 1.0) and no
-        projection of stacked text states (Predict2.5)."""
+        """A ConfigError unless the transformer is this family's Predict2 checkpoint: Video2World's input is the
+        latents and the condition mask, Text2Image's the latents alone; neither has learnable positions (Cosmos
+        1.0) nor a projection of stacked text states (Predict2.5)."""
         from diffusion_pipe.config import ConfigError
 
+        other = {True: ("a Text2Image checkpoint (its transformer takes no condition mask)", "cosmos2_image"),
+                 False: ("a Video2World checkpoint (its transformer takes a condition mask)", "cosmos2")}[
+            self.conditioned]
         problem = ("a Cosmos 1.0 checkpoint (learnable positional embeddings)" if config.get("extra_pos_embed_type")
                    else "a Cosmos-Predict2.5 checkpoint (Qwen2.5-VL text states)"
                    if config.get("use_crossattn_projection")
-                   else "a Text2Image checkpoint (its transformer takes no condition mask)"
-                   if config.get("in_channels") == z_dim else "")
+                   else f"{other[0]}: set model.family to '{other[1]}'"
+                   if config.get("in_channels") != z_dim + self.conditioned else "")
         if problem:
-            raise ConfigError(f"model.path: {self.model_dir} is {problem}; family 'cosmos2' trains Cosmos-Predict2 "
-                              "Video2World (nvidia/Cosmos-Predict2-2B-Video2World or -14B-Video2World)")
+            raise ConfigError(f"model.path: {self.model_dir} is {problem}; family '{self.name}' trains "
+                              f"{self.checkpoints}")
 
     # ---- encode side -------------------------------------------------------------------------------
     def load_text_encoders(self, device: torch.device) -> T5TextEncoder:
@@ -167,23 +176,25 @@ class Cosmos2Adapter(WanAdapter):
     def keep_clean(self, noisy_latents: torch.Tensor, target: torch.Tensor,
                    latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A clip's first latent frame stays clean (the condition) and is left out of the target."""
-        if latents.shape[2] == 1:
+        if not self.conditioned or latents.shape[2] == 1:
             return noisy_latents, target
         noisy = torch.cat((latents[:, :, :1].to(noisy_latents.dtype), noisy_latents[:, :, 1:]), dim=2)
         return noisy, target[:, :, 1:]
 
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:
-        """(latents and the condition mask along channels, t per latent frame, T5 states), as the pipeline calls
-        its transformer: a clip's first frame is marked conditioning (mask 1) at the conditioning timestep;
-        Cosmos takes t itself, not t x 1000, and is not guidance-distilled."""
+        """(latents, with the condition mask along channels where the transformer takes it, t per latent frame, T5
+        states), as the pipeline calls its transformer: a clip's first frame is marked conditioning (mask 1) at
+        the conditioning timestep; Cosmos takes t itself, not t x 1000, and is not guidance-distilled."""
         b, _, frames, height, width = noisy_latents.shape
-        mask = noisy_latents.new_zeros(b, 1, frames, height, width)
         per_frame = timesteps.reshape(b, 1).expand(b, frames).clone()
-        if frames > 1:
-            mask[:, :, 0] = 1
-            per_frame[:, 0] = T_CONDITIONING
-        x = torch.cat((noisy_latents, mask), dim=1)
+        x = noisy_latents
+        if self.conditioned:
+            mask = noisy_latents.new_zeros(b, 1, frames, height, width)
+            if frames > 1:
+                mask[:, :, 0] = 1
+                per_frame[:, 0] = T_CONDITIONING
+            x = torch.cat((noisy_latents, mask), dim=1)
         return x.to(self.dtype), per_frame.to(self.dtype), text["t5"].to(self.dtype)
 
     def prediction_to_latents(self, prediction: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -207,14 +218,15 @@ class Cosmos2Adapter(WanAdapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return comfyui_lora(lora)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'cosmos2' "
+        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
-        """Cosmos-Predict2 Video2World's layout at toy width: a 2-block transformer (24 wide, 2 heads) taking
-        16 latent channels and the condition mask, Wan's tiny 3D VAE (x8 spatial, x4 temporal), a 2-layer T5."""
+        """Cosmos-Predict2's layout at toy width: a 2-block transformer (24 wide, 2 heads) taking 16 latent
+        channels (and the condition mask, for Video2World), Wan's tiny 3D VAE (x8 spatial, x4 temporal), a 2-layer
+        T5."""
         import tempfile
 
         from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
@@ -233,16 +245,17 @@ class Cosmos2Adapter(WanAdapter):
         AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                          temperal_downsample=[False, True, True]).save_pretrained(out_dir / "vae")
         CosmosTransformer3DModel(
-            in_channels=16 + 1, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_layers=2,
-            mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=8, max_size=(16, 32, 32), patch_size=(1, 2, 2),
-            rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=True, extra_pos_embed_type=None,
+            in_channels=16 + cls.conditioned, out_channels=16, num_attention_heads=2, attention_head_dim=12,
+            num_layers=2, mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=8, max_size=(16, 32, 32),
+            patch_size=(1, 2, 2), rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=True, extra_pos_embed_type=None,
         ).save_pretrained(out_dir / "transformer")
         FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True, shift=1.0).save_pretrained(out_dir / "scheduler")
-        (out_dir / "model_index.json").write_text(MODEL_INDEX)
+        index = MODEL_INDEX.replace("PIPELINE", cls.pipeline_name)
+        (out_dir / "model_index.json").write_text(index)
 
 
 MODEL_INDEX = """{
-  "_class_name": "Cosmos2VideoToWorldPipeline",
+  "_class_name": "PIPELINE",
   "_diffusers_version": "0.42.1",
   "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
   "text_encoder": ["transformers", "T5EncoderModel"],

@@ -101,6 +101,15 @@ def test_an_image_is_refused_with_the_dataset_named(family: str, tmp_path: Path,
     assert plan(tmp_path, [CLIP], family)
 
 
+def test_a_video_is_refused_by_an_image_family(tmp_path: Path, store_env: Path) -> None:
+    adapter_class("cosmos2_image").build_tiny(tmp_path, seed=0)
+    image = {**CLIP, "path": "b.png", "media": "image", "buckets": ["32x32x1"], "frame_starts": [0]}
+    with pytest.raises(ConfigError, match=r"clips/a\.mp4 is a video, but model family 'cosmos2_image' trains on "
+                                          r"images"):
+        plan(tmp_path, [image, CLIP], "cosmos2_image")
+    assert plan(tmp_path, [image], "cosmos2_image")
+
+
 def test_the_stored_condition_is_the_rule_over_the_windows_first_frame(tmp_path: Path) -> None:
     """Through the scan and encode stages on the bundled example: every sample's condition entry in the store is
     the VAE's latent of its window's first frame followed by black frames, and editing one clip recomputes its
