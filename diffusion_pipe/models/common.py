@@ -138,6 +138,16 @@ def save_tiny_tokenizers(out_dir: Path, corpus: Sequence[str] = TOKENIZER_CORPUS
     return clip, t5
 
 
+def save_tiny_t5_encoder(out_dir: Path, tokenizer: object, model_cls: type, config_cls: type) -> None:
+    """A 2-layer, 32-wide T5-style encoder (`model_cls` over `config_cls`: T5's or UMT5's) reading `tokenizer`'s
+    vocabulary, saved to `out_dir`; its weights drawn from torch's global RNG as seeded by the caller."""
+    model_cls(config_cls(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )).save_pretrained(out_dir)
+
+
 QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, TensorDict
-from diffusion_pipe.models.common import load_component, save_tiny_tokenizers
+from diffusion_pipe.models.common import load_component, save_tiny_t5_encoder, save_tiny_tokenizers
 from diffusion_pipe.models.wan import WanAdapter
 
 FPS = 16  # Cosmos2VideoToWorldPipeline's default frame rate, which scales the rotary positions along time
@@ -237,11 +237,7 @@ class Cosmos2Adapter(WanAdapter):
             _, t5_tok = save_tiny_tokenizers(Path(tmp))
         t5_tok.save_pretrained(out_dir / "tokenizer")
         torch.manual_seed(seed)
-        T5EncoderModel(T5Config(
-            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
-            decoder_start_token_id=t5_tok.pad_token_id,
-        )).save_pretrained(out_dir / "text_encoder")
+        save_tiny_t5_encoder(out_dir / "text_encoder", t5_tok, T5EncoderModel, T5Config)
         AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                          temperal_downsample=[False, True, True]).save_pretrained(out_dir / "vae")
         CosmosTransformer3DModel(
