@@ -326,6 +326,36 @@ def test_wan_original_layout_transformer(tmp_path, kind):
         assert torch.equal(loaded[name], want.bfloat16()), name
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8_scaled"])
+def test_cosmos_predict2_original_layout_transformer(tmp_path, kind):
+    """A Cosmos-Predict2 transformer as NVIDIA ships it (original names under `net.`, with the training counters
+    and rotary buffers its checkpoints carry), in bf16 or scaled fp8, loads through diffusers' converter: exactly,
+    or to the values the fp8 file holds."""
+    from diffusion_pipe.models.cosmos2 import Cosmos2Adapter, cosmos_original_name
+
+    Cosmos2Adapter.build_tiny(tmp_path / "model", seed=0)
+    state = {k: v.bfloat16() for k, v in Cosmos2Adapter(tmp_path / "model", torch.float32)
+             .load_denoiser(torch.device("cpu")).state_dict().items()}
+
+    def original_name(name: str) -> str:
+        module, _, param = name.rpartition(".")
+        return f"net.{cosmos_original_name(module)}.{param}"
+
+    original = {original_name(k): v.contiguous() for k, v in state.items()}
+    if kind == "fp8_scaled":
+        original = to_fp8(original, scaled=True)
+    extras = {"net.accum_iteration": torch.zeros(1), "net.pos_embedder.seq": torch.arange(8.0),
+              "net.pos_embedder.dim_spatial_range": torch.arange(4.0)}
+    save_file({**original, **extras}, tmp_path / "cosmos.safetensors")
+    adapter = load_adapter(ModelParams(family="cosmos2", path=str(tmp_path / "model"),
+                                       transformer=str(tmp_path / "cosmos.safetensors")))
+    loaded = adapter.load_denoiser(torch.device("cpu")).state_dict()
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        want = tensor if kind == "bf16" else dequantised(original, original_name(name))
+        assert torch.equal(loaded[name], want.bfloat16()), name
+
+
 def vae_to_ldm(state: dict[str, torch.Tensor], num_up_blocks: int) -> dict[str, torch.Tensor]:
     """A diffusers AutoencoderKL state dict in the LDM layout of BFL's ae.safetensors and SD/SDXL VAE files
     (`encoder.down.0.block.0`, `mid.attn_1` with 1x1-conv attention weights, decoder blocks numbered upwards)."""
