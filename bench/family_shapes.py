@@ -215,6 +215,22 @@ REAL: dict[str, dict] = {
         "media": (832, 480, 33), "text_len": 512,
     },
     "skyreels_v2": _WAN_14B,  # Skywork/SkyReels-V2-T2V-14B-540P-Diffusers: Wan 2.1 14B's shape
+    "cosmos2": {  # nvidia/Cosmos-Predict2-2B-Video2World, 2B: Wan 2.1's VAE, T5-XXL's 1024-wide states
+        "transformer": dict(in_channels=16 + 1, out_channels=16, num_attention_heads=16, attention_head_dim=128,
+                            num_layers=28, mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256,
+                            max_size=(128, 240, 240), patch_size=(1, 2, 2), rope_scale=(1.0, 3.0, 3.0),
+                            concat_padding_mask=True, extra_pos_embed_type=None),
+        "configs": {"vae": _WAN_14B["configs"]["vae"], "text_encoder": {"d_model": 1024}},
+        "media": (832, 480, 33), "text_len": 512,
+    },
+    "cosmos2_image": {  # nvidia/Cosmos-Predict2-2B-Text2Image, 2B
+        "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128,
+                            num_layers=28, mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256,
+                            max_size=(128, 240, 240), patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0),
+                            concat_padding_mask=True, extra_pos_embed_type=None),
+        "configs": {"vae": _WAN_14B["configs"]["vae"], "text_encoder": {"d_model": 1024}},
+        "media": (1024, 1024, 1), "text_len": 512,
+    },
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,

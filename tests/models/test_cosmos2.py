@@ -19,20 +19,29 @@ from tests.models.comfyui_merge import assert_comfyui_merge_matches
 from tests.models.contract import AdapterContract, expected_deltas, lora_deltas, module_calls, random_like_spec
 
 
+def torch_resize() -> SimpleNamespace:
+    """What CosmosTransformer3DModel.forward reads of torchvision's `transforms` to resize its padding mask, as
+    torch's nearest-neighbour interpolation: torchvision is not installed here (its wheel in the index is built
+    for another torch). The mask is all zeros wherever the pipeline passes it."""
+    functional = SimpleNamespace(resize=lambda mask, size, interpolation=None: F.interpolate(mask, size=size))
+    return SimpleNamespace(functional=functional, InterpolationMode=SimpleNamespace(NEAREST="nearest"))
+
+
 @pytest.fixture(autouse=True)
 def nearest_resize(monkeypatch):
-    """CosmosTransformer3DModel.forward resizes its padding mask with torchvision, which this environment lacks
-    (its wheel here is built for another torch): the same nearest-neighbour resize through torch, for the tests
-    that call the whole transformer. The mask is all zeros wherever the pipeline passes it."""
+    """torch_resize for the tests that call the whole transformer (or a pipeline that does)."""
     from diffusers.models.transformers import transformer_cosmos
 
-    functional = SimpleNamespace(resize=lambda mask, size, interpolation=None: F.interpolate(mask, size=size))
-    monkeypatch.setattr(transformer_cosmos, "transforms", SimpleNamespace(
-        functional=functional, InterpolationMode=SimpleNamespace(NEAREST="nearest")), raising=False)
+    monkeypatch.setattr(transformer_cosmos, "transforms", torch_resize(), raising=False)
 
 
 def whole_forward(denoiser, inputs):
-    """CosmosTransformer3DModel's own forward on the adapter's first-layer inputs, called as the pipeline calls it."""
+    """CosmosTransformer3DModel's own forward on the adapter's first-layer inputs, called as the pipeline calls it
+    (bench/bench_family.py's plain loop calls it too, outside pytest: torchvision's resize or torch_resize)."""
+    from diffusers.models.transformers import transformer_cosmos
+
+    if not hasattr(transformer_cosmos, "transforms"):
+        transformer_cosmos.transforms = torch_resize()
     x, t, text = inputs
     b, _, frames, height, width = x.shape
     return denoiser(hidden_states=x[:, :-1], timestep=t.reshape(b, 1, frames, 1, 1), encoder_hidden_states=text,

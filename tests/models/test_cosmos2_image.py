@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_cosmos
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.cosmos2 import Cosmos2Adapter
 from diffusion_pipe.models.cosmos2_image import Cosmos2ImageAdapter
 from tests.models.contract import AdapterContract, module_calls, random_like_spec
-from tests.models.test_cosmos2 import NoGuardrailNeeded, nearest_resize  # noqa: F401 (an autouse fixture)
+from tests.models.test_cosmos2 import NoGuardrailNeeded, nearest_resize, torch_resize  # noqa: F401 (autouse)
 
 
 class TestCosmos2ImageContract(AdapterContract):
@@ -24,6 +25,8 @@ class TestCosmos2ImageContract(AdapterContract):
 
     def unsplit_forward(self, adapter, denoiser, inputs, like):
         x, t, text = inputs
+        if not hasattr(transformer_cosmos, "transforms"):  # as cosmos2's whole_forward: the bench calls this too
+            transformer_cosmos.transforms = torch_resize()
         return denoiser(hidden_states=x, timestep=t[:, 0], encoder_hidden_states=text,
                         padding_mask=x.new_zeros(1, 1, x.shape[-2] * 8, x.shape[-1] * 8), return_dict=False)[0]
 
