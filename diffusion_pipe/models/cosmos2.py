@@ -23,7 +23,6 @@ Guardrail (the `cosmos_guardrail` package and its own models), which this tool n
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,20 +30,12 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, TensorDict
-from diffusion_pipe.models.common import load_component, save_tiny_t5_encoder, save_tiny_tokenizers
-from diffusion_pipe.models.wan import WanAdapter
+from diffusion_pipe.models.common import save_tiny_t5_encoder, save_tiny_tokenizers
+from diffusion_pipe.models.wan import WanAdapter, keep_first_frame_clean
 
 FPS = 16  # Cosmos2VideoToWorldPipeline's default frame rate, which scales the rotary positions along time
 SIGMA_CONDITIONING = 1e-4  # the pipeline's noise level of the conditioning frames
 T_CONDITIONING = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
-
-
-@dataclass
-class T5TextEncoder:
-    """T5 encoder and its tokenizer."""
-
-    t5: nn.Module
-    tokenizer: object
 
 
 class CosmosEmbed(nn.Module):
@@ -139,25 +130,16 @@ class Cosmos2Adapter(WanAdapter):
                               f"{self.checkpoints}")
 
     # ---- encode side -------------------------------------------------------------------------------
-    def load_text_encoders(self, device: torch.device) -> T5TextEncoder:
-        from transformers import AutoTokenizer, T5EncoderModel
+    # Wan's T5 encoding (its load_text_encoders and encode_text) is Cosmos2VideoToWorldPipeline._get_t5_prompt_embeds
+    # too: T5 states of the caption's tokens read under their attention mask, zeros past them; over T5's encoder, of
+    # the caption as written.
+    def text_encoder_class(self) -> type[nn.Module]:
+        from transformers import T5EncoderModel
 
-        return T5TextEncoder(
-            t5=load_component(T5EncoderModel, self.model_dir / "text_encoder", self.dtype, device),
-            tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer"),
-        )
+        return T5EncoderModel
 
-    @torch.no_grad()
-    def encode_text(self, encoders: T5TextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
-        """As Cosmos2VideoToWorldPipeline._get_t5_prompt_embeds: T5 states of the caption's tokens (read under
-        their attention mask), zeros past them."""
-        enc = encoders
-        tokens = enc.tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
-                               return_tensors="pt")
-        mask = tokens.attention_mask
-        states = enc.t5(tokens.input_ids.to(enc.t5.device), attention_mask=mask.to(enc.t5.device)).last_hidden_state
-        states = states.cpu() * mask.unsqueeze(-1).to(states.dtype)
-        return [{"t5": states[i].contiguous()} for i in range(len(captions))]
+    def clean_caption(self, caption: str) -> str:
+        return caption
 
     # ---- train side --------------------------------------------------------------------------------
     def denoiser_class(self) -> type[nn.Module]:
@@ -175,11 +157,9 @@ class Cosmos2Adapter(WanAdapter):
 
     def keep_clean(self, noisy_latents: torch.Tensor, target: torch.Tensor,
                    latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A clip's first latent frame stays clean (the condition) and is left out of the target."""
-        if not self.conditioned or latents.shape[2] == 1:
-            return noisy_latents, target
-        noisy = torch.cat((latents[:, :, :1].to(noisy_latents.dtype), noisy_latents[:, :, 1:]), dim=2)
-        return noisy, target[:, :, 1:]
+        """A clip's first latent frame stays clean (the condition) and is left out of the target; an image
+        (Text2Image's only medium) has no frame after it and trains whole."""
+        return keep_first_frame_clean(noisy_latents, target, latents)
 
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:

@@ -111,6 +111,17 @@ def unpatchify(tokens_BLD: torch.Tensor, like_BCFHW: torch.Tensor, patch: tuple[
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
 
 
+def keep_first_frame_clean(noisy_latents: torch.Tensor, target: torch.Tensor,
+                           latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Adapter.keep_clean` of a family whose clip is conditioned on its own first latent frame (Wan 2.2 TI2V,
+    Cosmos-Predict2 Video2World): that frame enters clean and leaves the target; an image (one latent frame) has
+    nothing to generate from it and trains whole."""
+    if latents.shape[2] == 1:
+        return noisy_latents, target
+    noisy = torch.cat((latents[:, :, :1].to(noisy_latents.dtype), noisy_latents[:, :, 1:]), dim=2)
+    return noisy, target[:, :, 1:]
+
+
 class WanAdapter(Adapter):
     """Wan 2.1 T2V (and one expert of Wan 2.2 A14B) in diffusers format (transformer, vae, text_encoder,
     tokenizer, scheduler)."""
@@ -140,13 +151,27 @@ class WanAdapter(Adapter):
 
         return AutoencoderKLWan
 
+    def text_encoder_class(self) -> type[nn.Module]:
+        """The transformers class of `text_encoder/`: UMT5's encoder (Cosmos-Predict2, which shares this encoding,
+        reads T5's)."""
+        from transformers import UMT5EncoderModel
+
+        return UMT5EncoderModel
+
     def load_text_encoders(self, device: torch.device) -> WanTextEncoder:
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        from transformers import AutoTokenizer
 
         return WanTextEncoder(
-            t5=load_component(UMT5EncoderModel, self.model_dir / "text_encoder", self.dtype, device),
+            t5=load_component(self.text_encoder_class(), self.model_dir / "text_encoder", self.dtype, device),
             tokenizer=AutoTokenizer.from_pretrained(self.model_dir / "tokenizer"),
         )
+
+    def clean_caption(self, caption: str) -> str:
+        """A caption as the pipeline tokenizes it: WanPipeline's `prompt_clean` (HTML unescaped, whitespace
+        collapsed)."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        return prompt_clean(caption)
 
     @torch.no_grad()
     def encode_media(self, vae: nn.Module, pixels_BCFHW: torch.Tensor) -> list[TensorDict]:
@@ -161,10 +186,8 @@ class WanAdapter(Adapter):
     def encode_text(self, encoders: WanTextEncoder, captions: list[str], max_length: int) -> list[TensorDict]:
         """As WanPipeline._get_t5_prompt_embeds: UMT5 states of the real tokens, zeros past them (the
         transformer was trained on zero padding, not on the encoder's states of pad tokens)."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
         enc = encoders
-        tokens = enc.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=max_length,
+        tokens = enc.tokenizer([self.clean_caption(c) for c in captions], padding="max_length", max_length=max_length,
                                truncation=True, add_special_tokens=True, return_attention_mask=True,
                                return_tensors="pt")
         mask = tokens.attention_mask

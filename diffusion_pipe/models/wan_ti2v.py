@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from diffusion_pipe.models.base import Capabilities, TensorDict
-from diffusion_pipe.models.wan import MODEL_INDEX, WanAdapter
+from diffusion_pipe.models.wan import MODEL_INDEX, WanAdapter, keep_first_frame_clean
 
 
 class WanTI2VAdapter(WanAdapter):
@@ -34,10 +34,7 @@ class WanTI2VAdapter(WanAdapter):
     def keep_clean(self, noisy_latents: torch.Tensor, target: torch.Tensor,
                    latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A clip's first latent frame stays clean (the condition) and is left out of the target."""
-        if latents.shape[2] == 1:
-            return noisy_latents, target
-        noisy = torch.cat((latents[:, :, :1].to(noisy_latents.dtype), noisy_latents[:, :, 1:]), dim=2)
-        return noisy, target[:, :, 1:]
+        return keep_first_frame_clean(noisy_latents, target, latents)
 
     def model_inputs(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: TensorDict,
                      guidance: float) -> tuple[torch.Tensor, ...]:
