@@ -41,10 +41,9 @@ any LTX2Pipeline.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import ClassVar
 
@@ -156,7 +155,7 @@ def video_layers(transformer: nn.Module) -> list[nn.Module]:
             *(LTX2Block(b, prompt_modulated) for b in transformer.transformer_blocks), LTX2Out(transformer)]
 
 
-@functools.cache
+@cache
 def video_pipeline_cls() -> type:
     """`LTX2VideoPipeline`: LTX2Pipeline rendering video alone from stored connector outputs (module docstring).
     Made on first use, so importing this module does not import diffusers' pipelines."""
