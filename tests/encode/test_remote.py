@@ -93,6 +93,25 @@ def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path:
     assert Store(store_b).verify() == []
 
 
+def test_push_false_uploads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`encode.push: false`: the remote is still read (its report names it), what this run computes stays
+    local."""
+    remote, store = tmp_path / "remote", tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store,
+                              {"workers: 0": f"workers: 0\n  remote: {remote}\n  push: false"}, dvc=False)
+    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[4:]:  # two images
+        item.unlink()
+    monkeypatch.chdir(repo)
+    stage_in_process("scan", store)
+    stage_in_process("encode", store)
+    report = _report(repo)
+    assert report["remote"] == str(remote)
+    for fam in ("latent", "text"):
+        assert report[fam]["computed"] == report[fam]["entries"] >= 2 and report[fam]["uploaded_packs"] == 0
+        assert list((store / fam).glob("*.safetensors"))
+    assert not [p for p in remote.rglob("*") if p.is_file()]
+
+
 def test_unreachable_remote_is_an_error_naming_the_param(tmp_path: Path) -> None:
     store = tmp_path / "store"
     port = free_port()  # nothing listens there

@@ -1,0 +1,76 @@
+"""What a run is (train/loop.py `run_identity`, whose hash names its checkpoint directory) and when `--resume-from`
+refuses another run's checkpoints (`check_resumable`): a changed encoded table, model or parallel layout is
+refused naming each change unless forced; train params may differ; settings that change nothing trained
+(samples among them) keep the run's identity, so editing a sample prompt continues the run instead of restarting
+it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from diffusion_pipe.fileio import write_json_atomic
+from diffusion_pipe.params import ModelParams, SampleParams, SamplePrompt, TrainParams
+from diffusion_pipe.train.data import DataError
+from diffusion_pipe.train.loop import check_resumable, run_identity
+
+
+@pytest.fixture
+def encoded(tmp_path):
+    path = tmp_path / "encoded.parquet"
+    path.write_bytes(b"table")
+    return path
+
+
+def _checkpoint(tmp_path, identity: dict):
+    source = tmp_path / "runs/checkpoints/abc"
+    (source / "step000004").mkdir(parents=True)
+    write_json_atomic(source / "identity.json", identity)
+    return source
+
+
+def test_samples_are_not_part_of_the_run_but_what_trains_is(encoded):
+    model, train = ModelParams(path="m"), TrainParams()
+    base = run_identity(model, train, encoded, 32, 1)
+    prompts = SampleParams(prompts=(SamplePrompt("a red cube", seed=3),), every_steps=5)
+    assert run_identity(model, dataclasses.replace(train, samples=prompts), encoded, 32, 1) == base
+    assert run_identity(model, dataclasses.replace(train, learning_rate=train.learning_rate / 2), encoded, 32,
+                        1) != base
+    assert run_identity(model, train, encoded, 64, 1) != base
+
+
+def test_the_same_run_read_back_resumes(tmp_path, encoded):
+    identity = run_identity(ModelParams(path="m"), TrainParams(), encoded, 32, 1)
+    check_resumable(_checkpoint(tmp_path, identity), identity, force=False)
+
+
+@pytest.mark.parametrize(("model", "train", "world", "named"), [
+    (ModelParams(path="other"), TrainParams(), 1, "the model"),
+    (ModelParams(path="m"), TrainParams(), 2, "the parallel layout"),
+    (ModelParams(path="m"), TrainParams(pipeline_stages=2), 2, "the parallel layout"),
+])
+def test_another_model_or_layout_is_refused_unless_forced(tmp_path, encoded, model, train, world, named):
+    source = _checkpoint(tmp_path, run_identity(ModelParams(path="m"), TrainParams(), encoded, 32, 1))
+    other = run_identity(model, train, encoded, 32, world)
+    with pytest.raises(DataError, match=rf"--resume-from .*refusing to resume, since {named} .* changed; "
+                                        r"pass --force"):
+        check_resumable(source, other, force=False)
+    check_resumable(source, other, force=True)
+
+
+def test_another_encoded_table_is_refused_and_train_params_may_differ(tmp_path, encoded):
+    model, train = ModelParams(path="m"), TrainParams()
+    source = _checkpoint(tmp_path, run_identity(model, train, encoded, 32, 1))
+    check_resumable(source, run_identity(model, dataclasses.replace(train, steps=train.steps * 2), encoded, 32, 1),
+                    force=False)
+    encoded.write_bytes(b"another table")
+    with pytest.raises(DataError, match=r"since the encoded table \(hash \w+ -> \w+\) changed"):
+        check_resumable(source, run_identity(model, train, encoded, 32, 1), force=False)
+
+
+def test_a_directory_without_checkpoints_is_refused(tmp_path, encoded):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no checkpoint there \(no step<N> directory\)"):
+        check_resumable(tmp_path / "empty", run_identity(ModelParams(path="m"), TrainParams(), encoded, 32, 1),
+                        force=False)
