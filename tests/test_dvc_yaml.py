@@ -2,6 +2,7 @@
 stages that use it (and no hidden input goes unnoticed)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
@@ -49,3 +50,19 @@ def test_stage_imports_are_deps(stage):
     dep_parts = [PurePosixPath(str(d).rstrip("/")).parts for d in deps]
     missing = [f for f in used if not any(PurePosixPath(f).parts[:len(d)] == d for d in dep_parts)]
     assert not missing, f"add to stages.{stage}.deps in dvc.yaml: {missing}"
+
+
+def test_the_readme_stage_table_names_the_params_each_stage_reads():
+    """README's "How it works" table tells users which params re-run which stage: it must say what dvc.yaml says
+    (export reads the whole params file: "all")."""
+    stages = YAML(typ="safe").load((REPO / "dvc.yaml").read_text())["stages"]
+    rows = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "\|" is a pipe in a cell
+        if len(cells) == 4 and cells[0].strip("`") in STAGES:
+            rows[cells[0].strip("`")] = {p.strip(" `") for p in cells[3].split(",")}
+    assert set(rows) == set(STAGES)
+    for stage in STAGES:
+        declared = stages[stage]["params"]
+        wanted = {"all"} if declared == [{"params.yaml": None}] else set(declared)
+        assert rows[stage] == wanted, stage
