@@ -300,10 +300,15 @@ def _map_tensors(batch, fn):
     return batch
 
 
-def eval_batches(rows: list[Row], loader: MicroBatches, timestep: float, seed: int) -> list:
-    """Fixed eval micro-batches (one sample each) at one timestep, with fixed noise: comparable across runs."""
+def eval_batches(rows: list[Row], store: Store, adapter: Adapter, train, timestep: float) -> list:
+    """Fixed eval micro-batches (one sample each, its caption as written) at one timestep, with fixed noise:
+    comparable across runs. What only training batches take (noise offset, min-SNR and dataset loss weights,
+    caption dropout, tag orders) is left out, so changing those does not move the eval loss."""
+    loader = MicroBatches(rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0, dp_world=1,
+                          timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
+                          guidance=train.guidance)
     out = []
     for i in range(len(rows)):
-        generator = torch.Generator().manual_seed(int(hash_json(["eval", seed, i])[:15], 16))
+        generator = torch.Generator().manual_seed(int(hash_json(["eval", train.seed, i])[:15], 16))
         out.append(loader.make([i], generator, timesteps=torch.tensor([timestep])))
     return out

@@ -204,18 +204,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
         guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma,
         caption_dropout=caption_dropout), dist.device, position=state["position"])
-    eval_loader = MicroBatches(eval_rows, store, adapter, micro_batch_size=1, seed=train.seed, dp_rank=0,
-                               dp_world=1, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
-                               guidance=train.guidance) if eval_rows else None
 
     def evaluate(step: int) -> None:
-        if eval_loader is None or any(e["step"] == step for e in state["evals"]):
+        if not eval_rows or any(e["step"] == step for e in state["evals"]):
             return
         per_t = {}
         with tqdm(total=len(train.eval_timesteps) * len(eval_rows), desc=f"eval at step {step}", unit="sample",
                   file=sys.stderr, disable=not is_reporter, leave=False) as progress:
             for t in train.eval_timesteps:
-                batches = eval_batches(eval_rows, eval_loader, t, train.seed)
+                batches = eval_batches(eval_rows, store, adapter, train, t)
                 per_t[f"{t:g}"] = _mean_eval_loss(engine, batches, progress) / scaler.scale
         state["evals"].append({"step": step, "loss": sum(per_t.values()) / len(per_t), "by_timestep": per_t})
         if writer:
