@@ -172,6 +172,27 @@ def test_parse_duration_rejects_junk() -> None:
         parse_duration("a week")
 
 
+def test_a_running_writers_heartbeat_keeps_its_lease_live_past_the_ttl(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encode running longer than LEASE_TTL_S keeps its lease: the heartbeat touches the file, so gc (from
+    another host, with a short --grace) still keeps the packs it has published. Heartbeat shortened to 50 ms."""
+    from diffusion_pipe.store import store as store_module
+
+    monkeypatch.setattr(store_module, "LEASE_HEARTBEAT_S", 0.05)
+    store = Store(tmp_path / "store")
+    with store.lease("encode") as lease:
+        long_ago = time.time() - store_module.LEASE_TTL_S - 60  # as if the lease were written long ago
+        os.utime(lease.path, (long_ago, long_ago))
+        deadline = time.monotonic() + 10
+        while lease.path.stat().st_mtime < time.time() - 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lease.path.stat().st_mtime > time.time() - 5
+        _pack(store, "latent", ["x1"], old=False)  # published during the run, named by no table yet
+        report = store.gc(set(), 0)
+        assert report.live_leases == 1 and not report.deleted_packs
+    assert not lease.path.exists()
+
+
 def test_gc_ignores_and_removes_leases_of_dead_writers(tmp_path: Path) -> None:
     from diffusion_pipe.store.store import LEASE_TTL_S
 
