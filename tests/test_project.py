@@ -47,6 +47,26 @@ def test_init_adds_dataset_to_params_and_dvc_yaml_and_scan_accepts_it(repo_and_d
     assert [r["status"] for r in rows if r["path"] == "sub/uncaptioned.png"] == ["excluded"]
 
 
+def test_init_writes_every_option_and_warns_naming_the_uncaptioned_files(repo_and_data):
+    """With the default caption policy (error) the scan would stop on an uncaptioned file: init says which; each
+    option lands in the dataset's entry as the scan reads it."""
+    from diffusion_pipe.params import load_params
+
+    repo, data = repo_and_data
+    result = CliRunner().invoke(main, ["init", str(data), "--repo", str(repo), "--name", "cats", "--repeats", "3",
+                                       "--resolution", "64", "--resolution", "128", "--eval-fraction", "0.25"])
+    assert result.exit_code == 0, result.output
+    assert "warning: the scan will stop on the uncaptioned files (sub/uncaptioned.png)" in result.output
+    dataset = next(d for d in load_params(repo / "params.yaml").scan.datasets if d.name == "cats")
+    assert (dataset.repeats, tuple(dataset.resolutions), dataset.eval_fraction, dataset.caption_policy) == (
+        3, (64, 128), 0.25, "error")
+
+    result = init(repo, data, "--replace", "--caption-policy", "default", "--default-caption", "a photo")
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    dataset, = load_params(repo / "params.yaml").scan.datasets
+    assert (dataset.caption_policy, dataset.default_caption) == ("default", "a photo")
+
+
 def test_init_sets_a_local_model_as_a_dep_of_every_stage_that_reads_it(repo_and_data, tiny_flux_dir):
     repo, data = repo_and_data
     result = init(repo, data, "--model", tiny_flux_dir, "--family", "flux")
