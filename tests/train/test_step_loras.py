@@ -120,3 +120,25 @@ def test_a_format_the_family_cannot_write_stops_train_before_step_1(tmp_path):
     assert "export.formats: ['kohya'] not written by model family 'flux' (supported: diffusers, comfyui)" in \
         failed.stderr
     assert "fix the list before training" in failed.stderr and "train: checkpoint" not in failed.stderr
+
+
+@pytest.mark.slow  # shares the fixture above (on a copy of its repo): one more train stage that trains nothing
+def test_setting_it_on_a_finished_run_writes_no_file_for_steps_already_trained(trained, tmp_path):
+    """The README's promise: the run id stays, so the finished run only loads and writes its LoRA again (the same
+    tensors); steps trained before the change get no file."""
+    import shutil
+
+    repo, report = trained
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy, symlinks=True)
+    params = copy / "params.yaml"
+    params.write_text(params.read_text().replace("save_lora_every_steps: 3", "save_lora_every_steps: 2"))
+    before, _ = read(copy / "runs/train/lora.safetensors")
+    run_checked([sys.executable, "-m", "stages.train"], cwd=copy, env=run_env(repo.parent / "store"))
+    again = json.loads((copy / "reports/train.json").read_text())
+    assert again["run_id"] == report["run_id"]
+    assert sorted(p.name for p in (copy / "runs/loras" / report["run_id"]).iterdir()) == [
+        "step-000003.comfyui.safetensors", "step-000003.diffusers.safetensors",
+        "step-000006.comfyui.safetensors", "step-000006.diffusers.safetensors"]
+    after, _ = read(copy / "runs/train/lora.safetensors")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
