@@ -27,3 +27,30 @@ def test_train_stage_warns_and_shows_eval_progress(tmp_path):
     assert "train: warning: train.warmup_steps (10) >= train.steps (4)" in err
     for step in (0, 2, 4):  # at the start, every eval_every_steps, and the end
         assert f"eval at step {step}" in err, err[-2000:]
+    _tensorboard_logs_what_the_reports_hold(repo)
+
+
+def _tensorboard_logs_what_the_reports_hold(repo):
+    """runs/tensorboard/<run id>/: each step's loss, learning rate, gradient norm and rate, and the eval losses,
+    the same values as reports/train_loss.csv and reports/train.json."""
+    import csv
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = json.loads((repo / "reports/train.json").read_text())
+    events = EventAccumulator(str(repo / "runs/tensorboard" / report["run_id"]))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    with open(repo / "reports/train_loss.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted(scalars["train/loss"]) == [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert abs(scalars["train/loss"][int(r["step"])] - float(r["loss"])) <= 1e-6 * max(1.0, float(r["loss"]))
+        assert abs(scalars["train/grad_norm"][int(r["step"])] - float(r["grad_norm"])) <= 1e-5 * float(r["grad_norm"])
+    lrs = [scalars["train/lr"][s] for s in (1, 2, 3, 4)]
+    assert lrs == sorted(lrs) and 0 < lrs[0] < lrs[-1]  # warming up over 10 steps
+    assert all(v > 0 for v in scalars["train/samples_per_s"].values())
+    assert sorted(scalars["eval/loss"]) == [0, 2, 4]
+    for step, key in ((0, "eval_loss_start"), (4, "eval_loss_end")):
+        assert abs(scalars["eval/loss"][step] - report[key]) <= 1e-5 * report[key]
