@@ -382,7 +382,7 @@ class _Profiler:
         if self.prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.prof = profile(activities=activities).__enter__()
-        with torch.profiler.record_function(f"train.step{step}"):
+        with torch.profiler.record_function(f"train.step{step + 1}"):  # numbered as the reports number steps
             yield
         if step == self.start + 2:
             self.close()
