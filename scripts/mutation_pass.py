@@ -586,7 +586,8 @@ MUTATIONS: list[Mutation] = [
              "and any(name.endswith(s) for s in suffixes)", ("tests/train/test_lora_targets.py",),
              "lora_targets 'q_proj' also adapts add_q_proj"),
     Mutation("fp8-weight-scale-unknown", "diffusion_pipe/models/checkpoints.py",
-             '_WEIGHT_SCALE_SUFFIXES = (".scale_weight", ".weight_scale")', '_WEIGHT_SCALE_SUFFIXES = (".scale_weight",)',
+             '_WEIGHT_SCALE_SUFFIXES = (".scale_weight", ".weight_scale")',
+             '_WEIGHT_SCALE_SUFFIXES = (".scale_weight",)',
              ("tests/models/test_fp8_single_file.py",),
              "an fp8 file with .weight_scale loads undequantised (diffusers' converter drops unknown keys silently)"),
 ]
