@@ -55,6 +55,18 @@ def routed_experts_with_grad(module: nn.Module) -> Iterator[None]:
             moe.training = False
 
 
+def skip_unused_aux_loss(block: nn.Module) -> None:
+    """Stop `block`'s mixture-of-experts gates computing their load-balancing loss. The engine runs every layer in
+    training mode, in which diffusers' MoEGate computes that loss on every call; MOEFeedForwardSwiGLU discards it
+    (its `AddAuxiliaryLoss` line is commented out), so with the gate's `alpha` at 0 the gate skips it and nothing it
+    returns changes: its routing and weights are computed before. Outside training the gate never computes it."""
+    from diffusers.models.transformers.transformer_hidream_image import MoEGate
+
+    for gate in block.modules():
+        if isinstance(gate, MoEGate):
+            gate.alpha = 0.0
+
+
 def _key_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The image tokens' key mask the transformer's `patchify` made, in `dtype`: None (a (B, 1) stand-in in the layer
     tuple) for square latents, which it does not pad. The tuple carries it as integers: no gradient flows back to it,
@@ -102,6 +114,7 @@ class HiDreamDoubleBlock(nn.Module):
         super().__init__()
         self.block = block
         self.index = index
+        skip_unused_aux_loss(block)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         image, text, llama, temb, rope, mask, img_sizes = inputs
@@ -121,6 +134,7 @@ class HiDreamSingleBlock(nn.Module):
         super().__init__()
         self.block = block
         self.index = index
+        skip_unused_aux_loss(block)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         image, text, llama, temb, rope, mask, img_sizes = inputs

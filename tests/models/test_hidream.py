@@ -102,6 +102,28 @@ class TestHiDreamContract(AdapterContract):
             denoiser.zero_grad(set_to_none=True)
         assert not any(m.training for m in denoiser.modules())  # the switch leaves no module in training mode
 
+    def test_training_layers_leave_out_the_gates_unused_loss(self, adapter, monkeypatch):
+        """The engine runs the layers in training mode, where diffusers' MoE gates compute a load-balancing loss
+        (one-hot counts of the chosen experts) that the feed-forward discards: the layers' gates leave it out, as
+        the transformer's own forward outside training mode does, and route and weigh the tokens as before."""
+        denoiser = adapter.load_denoiser(torch.device("cpu"))
+        _, _, inputs = self._inputs(adapter, seed=4)
+
+        def run(layers):
+            x = inputs
+            for layer in layers:
+                x = layer(x)
+            return x
+
+        with torch.no_grad():
+            before = run(adapter.pipeline_layers(denoiser))  # eval mode: no loss either way
+        one_hot = torch.nn.functional.one_hot
+        calls = []
+        monkeypatch.setattr(torch.nn.functional, "one_hot", lambda *a, **k: calls.append(a) or one_hot(*a, **k))
+        layers = torch.nn.ModuleList(adapter.pipeline_layers(denoiser)).train()
+        torch.testing.assert_close(run(layers), before, rtol=0, atol=1e-5)
+        assert not calls
+
     @pytest.mark.parametrize("size", [(32, 32), (48, 32)])
     def test_what_layers_pass_on_crosses_a_stage_boundary(self, adapter, lora_model, size):
         """At any boundary between two layers (before the output layer's), as a pipeline stage sends it: every
