@@ -41,7 +41,7 @@ from diffusion_pipe.train.samples import TrainingSamples
 from diffusion_pipe.train.step_loras import StepLoras
 from diffusion_pipe.train.swap import apply_block_swap
 from diffusion_pipe.train.pipeline import (build_pipeline_module, check_dtype_supported, init_distributed,
-                                           pipeline_stage)
+                                           pipeline_stage, trim_engine_step)
 
 
 def lr_lambda(train: TrainParams):
@@ -178,6 +178,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, dp_world))
+    trim_engine_step(engine, trainable, optimizer, dp_world)
     if train.pipeline_stages > 1:  # the gradient norm spans every stage of this process's pipeline
         optimizer.norm_group = engine.grid.get_pipe_parallel_group()
     dp_rank = engine.grid.get_data_parallel_rank()
