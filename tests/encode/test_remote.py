@@ -61,18 +61,25 @@ def test_second_machine_fetches_everything_through_the_dvc_remote(server: str, r
     assert (repo / "data/encoded-b.parquet").read_bytes() == (repo / "data/encoded.parquet").read_bytes()
 
 
+def _scan_and_encode(tmp_path: Path, store: Path, encode_params: str, keep: int,
+                     monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The flux-tiny pipeline repo with `encode_params` added to its encode section and its first `keep` dataset
+    files (image and caption pairs), scanned and encoded in process into `store`."""
+    repo = make_pipeline_repo(tmp_path / "repo", store, {"workers: 0": f"workers: 0\n  {encode_params}"}, dvc=False)
+    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[keep:]:
+        item.unlink()
+    monkeypatch.chdir(repo)
+    stage_in_process("scan", store)
+    stage_in_process("encode", store)
+    return repo
+
+
 def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The sharing claim with a plain directory as the remote (the SFTP, S3 and two-clone versions above are
     slow): encode uploads every pack it computed, and encode on another machine's empty store computes nothing."""
     remote, store_a, store_b = tmp_path / "remote", tmp_path / "store-a", tmp_path / "store-b"
-    repo = make_pipeline_repo(tmp_path / "repo", store_a, {"workers: 0": f"workers: 0\n  remote: {remote}"},
-                              dvc=False)
-    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[12:]:  # six images: a cheap encode
-        item.unlink()
-    monkeypatch.chdir(repo)
-    stage_in_process("scan", store_a)
-    stage_in_process("encode", store_a)
+    repo = _scan_and_encode(tmp_path, store_a, f"remote: {remote}", keep=12, monkeypatch=monkeypatch)  # six images
     first = _report(repo)
     assert first["remote"] == str(remote)
     for fam in ("latent", "text"):
@@ -97,13 +104,7 @@ def test_push_false_uploads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """`encode.push: false`: the remote is still read (its report names it), what this run computes stays
     local."""
     remote, store = tmp_path / "remote", tmp_path / "store"
-    repo = make_pipeline_repo(tmp_path / "repo", store,
-                              {"workers: 0": f"workers: 0\n  remote: {remote}\n  push: false"}, dvc=False)
-    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[4:]:  # two images
-        item.unlink()
-    monkeypatch.chdir(repo)
-    stage_in_process("scan", store)
-    stage_in_process("encode", store)
+    repo = _scan_and_encode(tmp_path, store, f"remote: {remote}\n  push: false", keep=4, monkeypatch=monkeypatch)
     report = _report(repo)
     assert report["remote"] == str(remote)
     for fam in ("latent", "text"):
