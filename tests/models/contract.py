@@ -279,7 +279,10 @@ class AdapterContract:
         with torch.no_grad():
             full = self.unsplit_forward(adapter, denoiser, inputs, latents)
         assert split.shape == latents.shape
-        assert torch.allclose(split, full, atol=1e-5), (split - full).abs().max()
+        # float32 on CPU: the two paths may take different kernels (autograd on or off), which differ by a few
+        # ulps that depend on the processor (2e-5 on outputs of about 2 on one AMD EPYC); a wrong split is off
+        # by far more.
+        assert torch.allclose(split, full, atol=1e-4), (split - full).abs().max()
         # Gradients reach the LoRA weights through every layer.
         split.square().mean().backward()
         grads = [p.grad for n, p in denoiser.named_parameters() if "lora_A" in n]

@@ -128,7 +128,9 @@ def test_the_first_frame_changes_the_image_embedding_and_only_it(adapter, encode
     other, = adapter.encode_conditioned_text(encoders, ["a dog"], frames[1:], 512)
     assert not torch.allclose(a["image_embeds"], b["image_embeds"], atol=1e-4)
     assert torch.equal(a["t5"], b["t5"])
-    assert all(torch.equal(a[k], again[k]) and torch.equal(b[k], other[k]) for k in a)
+    # Alone or in a batch of two: equal up to float32 rounding (the CPU's matmul kernels may block a batch of
+    # one differently from a batch of two).
+    assert all(torch.allclose(a[k], again[k], atol=1e-6) and torch.allclose(b[k], other[k], atol=1e-6) for k in a)
     with pytest.raises(ValueError, match="reads every caption with its first frame"):
         adapter.encode_text(encoders, ["a dog"], 512)
 
