@@ -16,6 +16,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
+import bench_engine_chores  # noqa: E402
 import bench_family  # noqa: E402
 from family_shapes import REAL  # noqa: E402
 
@@ -33,6 +34,17 @@ def test_every_family_but_those_with_their_own_benchmark_is_listed_with_a_real_s
 def test_the_plain_loop_finds_the_familys_unsplit_forward(family):
     contract = bench_family.contract_forward(family)
     assert callable(contract.unsplit_forward)
+
+
+@pytest.mark.parametrize("family", sorted(bench_engine_chores.DEPTH))
+def test_the_engine_chores_bench_builds_the_published_depth(family):
+    """The chores' cost follows the module count, so that bench keeps each family's published depth (its widths
+    are the tiny ones): every depth it sets is the real shape's."""
+    depth = {k: v for k, v in bench_engine_chores.DEPTH[family].items() if k != "llama_layers"}
+    assert depth and depth == {k: REAL[family]["transformer"][k] for k in depth}
+    layers = bench_engine_chores.DEPTH[family].get("llama_layers")
+    if layers:  # one text layer per block, as the real model reads
+        assert len(layers) == len(REAL[family]["transformer"]["llama_layers"])
 
 
 @pytest.mark.slow  # two fresh train-stage processes: about 20 s
