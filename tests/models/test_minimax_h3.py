@@ -1,0 +1,187 @@
+"""The MiniMax H3 adapter: the shared contract on a tiny MiniMax-H3-shaped model (the unsplit forward is the diffusers
+transformer called per sample as the modular pipeline's denoiser calls it), the layout against the pipeline's own
+layout and timestep steps for a t2v request, the audio rows as pure noise at H3's noise timestep, the velocity's sign
+against MiniMaxH3Scheduler, text entries as the pipeline's text step makes them, the diffusers export loading into
+the transformer and through the pipeline's LoRA loader, and images and bad frame counts refused."""
+
+import pytest
+import torch
+
+from diffusion_pipe.models.minimax_h3 import NOISE_T, MiniMaxH3Adapter, pipeline_fact
+from tests.models.contract import AdapterContract, expected_deltas, lora_deltas, random_like_spec
+
+
+def whole_forward(denoiser, inputs):
+    """MiniMaxH3Transformer3DModel's own forward on the adapter's first-layer inputs, one sample at a time, called
+    as MiniMaxH3LoopDenoiser calls it (the sample's caption rows only, its layout, its distinct timesteps); the video
+    velocity rows, stacked."""
+    (video, audio, text, text_lengths, timesteps, timestep_indices, token_tags, position_ids, video_indices,
+     audio_indices, seq_lengths) = inputs
+    out = []
+    for b in range(len(video)):
+        n, length = int(text_lengths[b]), int(seq_lengths[b])
+        out.append(denoiser(hidden_states=video[b:b + 1], audio_hidden_states=audio[b:b + 1],
+                            encoder_hidden_states=text[b:b + 1, :n], timestep=timesteps[b],
+                            timestep_indices=timestep_indices[b, :length], token_tags=token_tags[b, :length],
+                            position_ids=position_ids[b, :length], video_indices=video_indices[b],
+                            audio_indices=audio_indices[b], text_indices=torch.arange(n), return_dict=False)[0])
+    return torch.cat(out)
+
+
+class TestMiniMaxH3Contract(AdapterContract):
+    adapter_cls = MiniMaxH3Adapter
+    pipeline_cls = "MiniMaxH3ModularPipeline"
+    denoiser_attr = "transformer"
+    media_sizes = ((32, 32, 5), (64, 32, 22))  # 17n + 5 frames: 2 and 7 latent frames
+    roundtrip_formats = ()  # a modular pipeline has no from_pretrained of a diffusers folder: the loaders below
+
+    def unsplit_forward(self, adapter, denoiser, inputs, like):
+        return adapter.prediction_to_latents(whole_forward(denoiser, inputs), like)
+
+    def test_exported_lora_loads_into_the_transformer(self, adapter, lora_model, model_dir):
+        """The diffusers file gives every module its delta through the transformer's `load_lora_adapter`, and the
+        modular pipeline's loader (MiniMaxH3LoraLoaderMixin) reads it as a transformer LoRA."""
+        from diffusers import MiniMaxH3Transformer3DModel
+        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+        _, lora = lora_model
+        exported = adapter.export_lora(lora, "diffusers")
+        transformer = MiniMaxH3Transformer3DModel.from_pretrained(model_dir / "transformer")
+        transformer.load_lora_adapter({k: v.clone() for k, v in exported.items()}, prefix="transformer")
+        got, want = lora_deltas(transformer), expected_deltas(lora)
+        assert set(got) == set(want)
+        assert all(torch.allclose(got[name], want[name], atol=1e-6) for name in want)
+        state = MiniMaxH3LoraLoaderMixin.lora_state_dict({k: v.clone() for k, v in exported.items()})
+        state = state[0] if isinstance(state, tuple) else state
+        assert set(state) == set(exported)
+
+    def test_variable_caption_lengths_train_as_each_alone(self, adapter, lora_model):
+        """A micro-batch of two captions of different lengths, at two timesteps, predicts for each what the
+        transformer predicts for it alone (each sample's rows only, no padding row attended to)."""
+        denoiser, _ = lora_model
+        latents = random_like_spec(adapter.latent_spec(64, 32, 22), 2, 0)["latents"]
+        text = random_like_spec(adapter.text_spec(16), 2, 1)
+        text["prompt_mask"] = torch.zeros(2, 16, dtype=torch.long)
+        text["prompt_mask"][0, :3], text["prompt_mask"][1, :9] = 1, 1
+        t = torch.tensor([0.3, 0.8])
+        inputs = adapter.model_inputs(latents, t, text, 1.0)
+        with torch.no_grad():
+            x = inputs
+            for layer in adapter.pipeline_layers(denoiser):
+                x = layer(x)
+            both = adapter.prediction_to_latents(x, latents)
+            for b in range(2):
+                alone = adapter.model_inputs(latents[b:b + 1], t[b:b + 1], {k: v[b:b + 1] for k, v in text.items()},
+                                             1.0)
+                assert torch.equal(alone[0], inputs[0][b:b + 1])
+                alone = (alone[0], inputs[1][b:b + 1], *alone[2:])  # the batch's audio noise (seeded per batch)
+                one = adapter.prediction_to_latents(whole_forward(denoiser, alone), latents[b:b + 1])
+                torch.testing.assert_close(both[b:b + 1], one, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("minimax_h3")
+    MiniMaxH3Adapter.build_tiny(out, seed=0)
+    return MiniMaxH3Adapter(out, torch.float32)
+
+
+def test_layout_is_the_pipelines_for_a_t2v_step(tiny):
+    """The pipeline's layout step for a t2va request of 22 frames at 64x32 (no keyframes) and its timestep step at
+    one video timestep give exactly the first layer's rows: position ids, tags, indices and row timesteps; the video
+    rows are the pipeline's patchified latents and the audio rows pure noise at t = 0 (what its first step holds)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
+                                                                      MiniMaxH3SetTimestepsStep,
+                                                                      patchify_video_latents)
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
+
+    latents = random_like_spec(tiny.latent_spec(64, 32, 22), 1, 0)["latents"]
+    text = random_like_spec(tiny.text_spec(16), 1, 1)
+    text["prompt_mask"] = torch.zeros(1, 16, dtype=torch.long)
+    text["prompt_mask"][0, :5] = 1
+    sigma = torch.tensor([0.25])
+    (video, audio, text_in, lengths, timesteps, timestep_indices, tags, position_ids, video_indices, audio_indices,
+     seq_lengths) = tiny.model_inputs(latents, sigma, text, 1.0)
+    num_audio = audio_latent_num_frames(22)
+    want = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.full((5,), 1), 7, 2, 4, num_audio, (1, 2, 2), 2, pipeline_fact("audio_tag"), pipeline_fact("video_tag"))
+    position, want_tags, want_video, want_audio, want_text = want[:5]
+    assert int(lengths[0]) == 5 and int(seq_lengths[0]) == len(want_tags) == 5 + 2 * num_audio + 7 * 2
+    torch.testing.assert_close(position_ids[0], position.float(), rtol=0, atol=0)
+    assert torch.equal(tags[0], want_tags) and torch.equal(video_indices[0], want_video)
+    assert torch.equal(audio_indices[0], want_audio) and torch.equal(want_text, torch.arange(5))
+    unique, inverse = MiniMaxH3SetTimestepsStep.build_row_timesteps(want_video, want_audio, 0, 0, 5, 0.75, 0.0,
+                                                                    0.999, 1.0)
+    assert torch.equal(timesteps[0][timestep_indices[0]], unique[inverse])
+    assert set(timesteps[0][timestep_indices[0][want_audio]].tolist()) == {NOISE_T}
+    assert set(timesteps[0][timestep_indices[0][want_video]].tolist()) == {0.75}
+    assert torch.equal(video[0], patchify_video_latents(latents, (1, 2, 2)))
+    assert audio.shape == (1, 2 * num_audio, 4) and abs(audio.std().item() - 1) < 0.3
+    assert torch.equal(text_in, text["prompt_embeds"])
+
+
+def test_prediction_is_the_schedulers_velocity_negated(tiny):
+    """MiniMaxH3Scheduler takes x0 = x_t + sigma * v at t = 1 - sigma: for the model output v that recovers x0 from
+    x_t = (1 - sigma) x0 + sigma noise, `prediction_to_latents` gives noise - x0, the objective's target."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    scheduler = MiniMaxH3Scheduler(shift=1.0)
+    scheduler.set_timesteps(sigmas=[0.6, 0.0])
+    x0, noise = torch.randn(1, 8, 2, 2, 4), torch.randn(1, 8, 2, 2, 4)
+    x_t = 0.4 * x0 + 0.6 * noise
+    v = patchify_video_latents(x0 - noise, (1, 2, 2))[None]
+    stepped = scheduler.step(v[0], scheduler.timesteps[0], patchify_video_latents(x_t, (1, 2, 2)),
+                             return_dict=False)[0]
+    torch.testing.assert_close(stepped, patchify_video_latents(x0, (1, 2, 2)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(tiny.prediction_to_latents(v, x0), noise - x0, rtol=0, atol=0)
+
+
+def test_audio_noise_is_reproducible_per_micro_batch(tiny):
+    latents = random_like_spec(tiny.latent_spec(32, 32, 5), 1, 0)["latents"]
+    text = random_like_spec(tiny.text_spec(16), 1, 1)
+    text["prompt_mask"] = torch.ones(1, 16, dtype=torch.long)
+    first, again, other = (tiny.model_inputs(latents, torch.tensor([t]), text, 1.0)[1] for t in (0.5, 0.5, 0.6))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_text_entries_are_the_pipelines_text_step(tiny):
+    """MiniMaxH3TextEncoderStep: the caption's tokens without special tokens through `get_qwen3vl_prompt_embeds` at
+    the pipeline's layer 50; the entry is that, zero-padded, with the mask of its tokens. Empty and too-long
+    captions are refused."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+    from diffusers.modular_pipelines.modular_pipeline import PipelineState
+
+    from diffusion_pipe.config import ConfigError
+
+    encoders = tiny.load_text_encoders(torch.device("cpu"))
+    components = SimpleNamespace(text_encoder=encoders["text_encoder"], tokenizer=encoders["tokenizer"],
+                                 processor=encoders["processor"], text_encoder_layer=50,
+                                 _execution_device=torch.device("cpu"), text_tag=1)
+    step = MiniMaxH3TextEncoderStep()
+    for caption in ("a red circle", "a blue square on a white background"):
+        state = PipelineState()
+        state.set("prompt", caption)
+        step(components, state)
+        want = state.get("prompt_embeds")[0]
+        entry = tiny.encode_text(encoders, [caption], 16)[0]
+        n = want.shape[0]
+        assert torch.equal(entry["prompt_embeds"][:n], want) and entry["prompt_embeds"][n:].abs().sum() == 0
+        assert entry["prompt_mask"].tolist() == [1] * n + [0] * (16 - n)
+    with pytest.raises(ConfigError, match="empty caption"):
+        tiny.encode_text(encoders, [""], 16)
+    with pytest.raises(ConfigError, match="encode.text_max_length: 2 tokens"):
+        tiny.encode_text(encoders, ["a blue square on a white background"], 2)
+
+
+def test_images_and_other_frame_counts_are_refused(tiny):
+    vae = tiny.load_vae(torch.device("cpu"))
+    with pytest.raises(ValueError, match="family 'minimax_h3' trains on clips only"):
+        tiny.encode_media(vae, torch.zeros(1, 3, 1, 32, 32))
+    with pytest.raises(ValueError, match="family 'minimax_h3' trains on clips only"):
+        tiny.latent_spec(32, 32, 1)
+    with pytest.raises(ValueError, match=r"frames: 9 frames; family 'minimax_h3' needs 17n \+ 5"):
+        tiny.latent_spec(32, 32, 9)
+    assert tiny.latent_spec(32, 32, 124)["latents"][0][1] == 37  # the pipeline's default length: 5 * 7 + 2
