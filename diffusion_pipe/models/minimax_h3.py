@@ -36,16 +36,30 @@ the store keeps its posterior's mode, normalised with the VAE's `latents_mean`/`
 have 17n + 5 frames (5n + 2 latent frames, the pipeline's `align_num_frames`); images are refused: the pipeline
 generates clips only (a single frame is a keyframe condition, never a target).
 
-No samples during training (MiniMax H3 has only a modular pipeline, which the sample code does not drive) and no
-ComfyUI export yet (ComfyUI's own MiniMax H3 model fuses q/k/v and the feed-forward input; its names are unverified
-here): the `diffusers` file loads with `transformer.load_lora_adapter(file, prefix="transformer")` or the modular
-pipeline's `load_lora_weights`.
+Samples render through MiniMaxH3ModularPipeline's own `t2va` blocks (its core denoise step: layout, noise, the two
+schedules, the denoising loop; then its video decode step) over the stored embeddings, the trained transformer and the
+VAE: the audio is generated beside the video, as the model always does, and not decoded. The pipeline generates 5 to
+15 seconds at 24 fps (120 to 360 frames, rounded up to 17n + 5), so sample prompts ask for such lengths (124 is its
+default); it takes no negative prompt and no guidance scale (guidance-distilled). The `sample` stage loads the
+exported LoRA with that pipeline's `load_lora_weights` (MiniMaxH3LoraLoaderMixin).
+
+Exports. `diffusers`: `transformer.`-prefixed PEFT names, which `MiniMaxH3LoraLoaderMixin.load_lora_weights` and the
+transformer's `load_lora_adapter(file, prefix="transformer")` load. `comfyui`: the original checkpoint's module names
+that ComfyUI's own MiniMax H3 model keeps (comfy/ldm/minimax/model.py: `blocks.N.attn.qkv_proj`, `attn.out_proj`,
+`mlp.fc1`, `mlp.fc2`, `token_refiner.blocks.N`, `final_layer.video_out`, ...), `diffusion_model.`-prefixed, as
+`lora_down`/`lora_up` with `.alpha` = rank. Its fused projections take fused LoRAs: q, k and v stacked as the fused
+weight is (`[q; k; v]`, a block-diagonal up over the three downs, exact), and the feed-forward input with its two
+halves swapped (the original computes silu(gate) * value from `[gate; value]`, diffusers' SwiGLU from `[value; gate]`).
+Checked by converting the file back with diffusers' own converter of such LoRAs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -54,6 +68,7 @@ from torch import nn
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import (dtype_name, image_only_qwen_vl_processor, load_component,
                                          save_tiny_qwen_tokenizer)
+from diffusion_pipe.params import SamplePrompt
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 NOISE_T = 0.0  # H3's timestep of pure noise (t = 1 - sigma): the untrained audio rows
@@ -170,6 +185,9 @@ class MiniMaxH3Out(nn.Module):
         super().__init__()
         self.norm_out = transformer.norm_out
         self.proj_out = transformer.proj_out
+        # Held, not run: training loads only the layers' modules, and the samples' whole-transformer forward (the
+        # pipeline's) runs the audio head too.
+        self.audio_proj_out = transformer.audio_proj_out
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         from diffusers.models.modeling_utils import get_parameter_dtype
@@ -188,7 +206,7 @@ class MiniMaxH3Adapter(Adapter):
 
     name: ClassVar[str] = "minimax_h3"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        media=("video",), tasks=("t2v",), objective="flow", export_formats=("diffusers",),
+        media=("video",), tasks=("t2v",), objective="flow", export_formats=("diffusers", "comfyui"),
         untrained_media=("audio",),
     )
 
@@ -375,18 +393,44 @@ class MiniMaxH3Adapter(Adapter):
         x = x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, c, frames, height, width)
         return -x
 
+    # ---- sample side -------------------------------------------------------------------------------
+    def pipeline_class(self) -> type:
+        return MiniMaxH3VideoPipeline
+
+    def sample_pipeline(self, denoiser: nn.Module, vae: nn.Module) -> object:
+        """The pipeline's blocks over `denoiser` (as it is being trained), `vae` and the model's two schedulers."""
+        from diffusers import MiniMaxH3Scheduler
+
+        pipe = MiniMaxH3VideoPipeline(denoiser, vae, MiniMaxH3Scheduler.from_pretrained(self.model_dir / "scheduler"),
+                                      MiniMaxH3Scheduler.from_pretrained(self.model_dir / "audio_scheduler"))
+        pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
+        return pipe
+
+    def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
+        """The prompt alone: the model is guidance-distilled, its pipeline takes no negative prompt."""
+        return (prompt.prompt,)
+
+    def sample_inputs(self, text: TensorDict, negative: TensorDict | None, guidance: float,
+                      cfg_scale: float) -> dict:
+        """The prompt's embeddings, its caption's rows only (as the pipeline's text step makes them); no guidance
+        (guidance-distilled)."""
+        n = int((text["prompt_mask"] != 0).sum())
+        return {"prompt_embeds": [text["prompt_embeds"][:n][None].to(self.dtype)]}
+
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
         if fmt == "diffusers":
             return {f"transformer.{k}": v for k, v in lora.items()}
+        if fmt == "comfyui":
+            return comfyui_lora(lora)
         raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
-        """MiniMax H3's layout at toy width: a 2-block transformer (32 wide, 2 heads of 16, one refiner block, 4
-        audio channels), the VAE's real geometry (x16 spatial, 17 frames to 5 latents) at 8 channels with a 1-layer
+        """MiniMax H3's layout at toy width: a 2-block transformer (32 wide, 2 heads of 16, one refiner block; its
+        audio rows keep the real 32 channels, which the pipeline draws noise at without an audio VAE), the VAE's real geometry (x16 spatial, 17 frames to 5 latents) at 8 channels with a 1-layer
         ViT decoder, a 51-layer, 16-wide Qwen3-VL (the pipeline reads hidden state 50) with a one-block vision tower,
         its tokenizer (carrying the vision tokens) and a processor, and the two schedulers."""
         from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
@@ -421,8 +465,127 @@ class MiniMaxH3Adapter(Adapter):
         ).save_pretrained(out_dir / "vae")
         MiniMaxH3Transformer3DModel(
             num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
-            ffn_dim=64, in_channels=8, audio_in_channels=4, patch_size=(1, 2, 2), text_dim=width, freq_dim=32,
+            ffn_dim=64, in_channels=8, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=width, freq_dim=32,
             time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2,
         ).save_pretrained(out_dir / "transformer")
         MiniMaxH3Scheduler(shift=12.0).save_pretrained(out_dir / "scheduler")
         MiniMaxH3Scheduler(shift=3.0).save_pretrained(out_dir / "audio_scheduler")
+
+
+class MiniMaxH3VideoPipeline:
+    """MiniMaxH3ModularPipeline's `t2va` generation from prompt embeddings: its core denoise blocks and its video
+    decode block (no text encoder, no audio decode), with the calling convention of the diffusers pipelines the
+    sample code drives: one call renders a batch of prompts, each from its own generator; `frames` in [0, 1]."""
+
+    def __init__(self, transformer: nn.Module, vae: nn.Module, scheduler: object, audio_scheduler: object) -> None:
+        from diffusers.modular_pipelines import SequentialPipelineBlocks
+        from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
+        from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+
+        blocks = dict(MiniMaxH3CoreDenoiseStep().sub_blocks)  # flat, so the loop's progress bar is reachable
+        blocks["decode_video"] = MiniMaxH3VideoDecodeStep()
+        self.modular = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
+        self.modular.update_components(transformer=transformer, vae=vae, scheduler=scheduler,
+                                       audio_scheduler=audio_scheduler)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, torch_dtype: torch.dtype = torch.float32,
+                        **_components: object) -> MiniMaxH3VideoPipeline:
+        """The model directory's transformer, VAE and schedulers (text components are never loaded: prompts arrive
+        as embeddings)."""
+        from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
+
+        model_dir = Path(model_dir)
+        return cls(MiniMaxH3Transformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch_dtype),
+                   AutoencoderKLMiniMaxH3.from_pretrained(model_dir / "vae", torch_dtype=torch_dtype),
+                   MiniMaxH3Scheduler.from_pretrained(model_dir / "scheduler"),
+                   MiniMaxH3Scheduler.from_pretrained(model_dir / "audio_scheduler"))
+
+    def set_progress_bar_config(self, **kwargs: object) -> None:
+        self.modular.set_progress_bar_config(**kwargs)
+
+    def to(self, device: torch.device) -> MiniMaxH3VideoPipeline:
+        for name in ("transformer", "vae"):
+            getattr(self.modular, name).to(device)
+        return self
+
+    def load_lora_weights(self, path: str, **kwargs: object) -> None:
+        """MiniMaxH3ModularPipeline's own LoRA loader (MiniMaxH3LoraLoaderMixin)."""
+        self.modular.load_lora_weights(path, **kwargs)
+
+    @torch.no_grad()
+    def __call__(self, prompt_embeds: list[torch.Tensor], height: int, width: int, num_frames: int,
+                 num_inference_steps: int, generator: list[torch.Generator], output_type: str = "np") -> object:
+        import numpy as np
+
+        videos = []
+        for embeds, g in zip(prompt_embeds, generator, strict=True):
+            tags = torch.full((embeds.shape[1],), pipeline_fact("text_tag"), dtype=torch.long)
+            videos.append(self.modular(prompt_embeds=embeds, text_token_tags=tags, height=height, width=width,
+                                       num_frames=num_frames, num_inference_steps=num_inference_steps, generator=g,
+                                       output_type=output_type, output="videos"))
+        return SimpleNamespace(frames=np.concatenate(videos))
+
+
+# Block prefixes (diffusers pattern, original / ComfyUI prefix) and the modules inside a block, then the modules outside
+# the blocks: the inverse of the naming of diffusers' `_convert_non_diffusers_minimax_h3_lora_to_diffusers`.
+_BLOCKS = ((r"transformer_blocks\.(\d+)\.", "blocks"),
+           (r"token_refiner\.refiner_blocks\.(\d+)\.", "token_refiner.blocks"))
+_BLOCK_MODULES = {"attn.to_out.0": "attn.out_proj", "ff.net.0.proj": "mlp.fc1", "ff.net.2": "mlp.fc2",
+                  "adaln_proj.linear": "adaln_proj.linear"}
+_STANDALONE = {"proj_in": "video_patch_proj", "audio_proj_in": "audio_patch_proj", "context_embedder": "condition_proj",
+               "time_embedder.linear_1": "time_embedder.proj_in", "time_embedder.linear_2": "time_embedder.proj_out",
+               "norm_out.linear": "final_layer.adaln_proj.linear", "proj_out": "final_layer.video_out",
+               "audio_proj_out": "final_layer.audio_out"}
+_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+
+
+def minimax_original_name(name: str) -> str:
+    """The original MiniMax H3 (ComfyUI) module of a diffusers MiniMaxH3Transformer3DModel module:
+    `transformer_blocks.0.attn.to_q` -> `blocks.0.attn.qkv_proj` (fused), `proj_out` -> `final_layer.video_out`;
+    ValueError for one without a counterpart."""
+    if name in _STANDALONE:
+        return _STANDALONE[name]
+    for pattern, original in _BLOCKS:
+        match = re.match(pattern, name)
+        if match:
+            inner = name[match.end():]
+            inner = "attn.qkv_proj" if inner in _QKV else _BLOCK_MODULES.get(inner)
+            if inner is not None:
+                return f"{original}.{match.group(1)}.{inner}"
+    raise ValueError(f"{name}: no original MiniMax H3 (ComfyUI) name for this module; drop it from "
+                     "train.lora_targets or export the 'diffusers' format")
+
+
+def comfyui_lora(lora: TensorDict) -> TensorDict:
+    """The LoRA under ComfyUI's MiniMax H3 names, `diffusion_model.`-prefixed, as `lora_down`/`lora_up` with `.alpha`
+    = rank (lora_B is pre-scaled, so scale 1). A block's q/k/v LoRAs become one LoRA of its fused `qkv_proj`: the
+    downs stacked, the ups block-diagonal in `[q; k; v]` order (a projection without a LoRA gets zero rows); the
+    feed-forward input's up has its halves swapped to the original `[gate; value]` order."""
+    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+
+    modules = lora_modules(lora)
+    out: TensorDict = {}
+    fused: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, (a, b) in modules.items():
+        original = minimax_original_name(module)
+        suffix = next((q for q in _QKV if module.endswith("." + q)), None)
+        if suffix:
+            fused.setdefault(original, {})[suffix] = (a, b)
+            continue
+        if module.endswith(".ff.net.0.proj"):
+            value, gate = b.chunk(2, dim=0)
+            b = torch.cat((gate, value))
+        out.update(down_up_alpha(f"diffusion_model.{original}", a, b))
+    for original, parts in fused.items():
+        rows = next(iter(parts.values()))[1].shape[0]
+        downs = [parts[q][0] for q in _QKV if q in parts]
+        up = downs[0].new_zeros(3 * rows, sum(d.shape[0] for d in downs))
+        column = 0
+        for i, q in enumerate(_QKV):
+            if q in parts:
+                a, b = parts[q]
+                up[i * rows:(i + 1) * rows, column:column + a.shape[0]] = b
+                column += a.shape[0]
+        out.update(down_up_alpha(f"diffusion_model.{original}", torch.cat(downs), up))
+    return out

@@ -2,12 +2,13 @@
 transformer called per sample as the modular pipeline's denoiser calls it), the layout against the pipeline's own
 layout and timestep steps for a t2v request, the audio rows as pure noise at H3's noise timestep, the velocity's sign
 against MiniMaxH3Scheduler, text entries as the pipeline's text step makes them, the diffusers export loading into
-the transformer and through the pipeline's LoRA loader, and images and bad frame counts refused."""
+the transformer and through the pipeline's LoRA loader, the ComfyUI export (original names, fused q/k/v and feed-forward
+input) converted back by diffusers' own converter, and images and bad frame counts refused."""
 
 import pytest
 import torch
 
-from diffusion_pipe.models.minimax_h3 import NOISE_T, MiniMaxH3Adapter, pipeline_fact
+from diffusion_pipe.models.minimax_h3 import NOISE_T, MiniMaxH3Adapter, minimax_original_name, pipeline_fact
 from tests.models.contract import AdapterContract, expected_deltas, lora_deltas, random_like_spec
 
 
@@ -32,7 +33,8 @@ class TestMiniMaxH3Contract(AdapterContract):
     adapter_cls = MiniMaxH3Adapter
     pipeline_cls = "MiniMaxH3ModularPipeline"
     denoiser_attr = "transformer"
-    media_sizes = ((32, 32, 5), (64, 32, 22))  # 17n + 5 frames: 2 and 7 latent frames
+    # 17n + 5 frames: 2 and 37 latent frames; 124 is the pipeline's default length (its samples need 120 to 360)
+    media_sizes = ((32, 32, 5), (64, 32, 124))
     roundtrip_formats = ()  # a modular pipeline has no from_pretrained of a diffusers folder: the loaders below
 
     def unsplit_forward(self, adapter, denoiser, inputs, like):
@@ -54,6 +56,34 @@ class TestMiniMaxH3Contract(AdapterContract):
         state = MiniMaxH3LoraLoaderMixin.lora_state_dict({k: v.clone() for k, v in exported.items()})
         state = state[0] if isinstance(state, tuple) else state
         assert set(state) == set(exported)
+
+    def test_comfyui_file_converts_back_to_the_same_deltas(self, adapter, lora_model, model_dir):
+        """The comfyui file, read by diffusers' converter of original-name (ComfyUI, ai-toolkit) MiniMax H3 LoRAs and
+        loaded into the transformer, gives every module the delta it was trained with: the fused q/k/v, the swapped
+        feed-forward halves and every name map back."""
+        from diffusers import MiniMaxH3Transformer3DModel
+        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+        _, lora = lora_model
+        out = adapter.export_lora(lora, "comfyui")
+        assert all(k.startswith("diffusion_model.") for k in out)
+        qkv = "diffusion_model.blocks.1.attn.qkv_proj"
+        assert out[f"{qkv}.alpha"].item() == 12.0 and out[f"{qkv}.lora_up.weight"].shape == (3 * 32, 12)
+        assert "diffusion_model.token_refiner.blocks.0.mlp.fc1.lora_down.weight" in out
+        state = MiniMaxH3LoraLoaderMixin.lora_state_dict({k: v.clone() for k, v in out.items()})
+        transformer = MiniMaxH3Transformer3DModel.from_pretrained(model_dir / "transformer")
+        transformer.load_lora_adapter(state, prefix="transformer")
+        got, want = lora_deltas(transformer), expected_deltas(lora)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+    def test_comfyui_names(self):
+        assert minimax_original_name("transformer_blocks.3.attn.to_k") == "blocks.3.attn.qkv_proj"
+        assert minimax_original_name("token_refiner.refiner_blocks.0.ff.net.2") == "token_refiner.blocks.0.mlp.fc2"
+        assert minimax_original_name("proj_out") == "final_layer.video_out"
+        with pytest.raises(ValueError, match="no original MiniMax H3"):
+            minimax_original_name("transformer_blocks.0.attn.norm_q")
 
     def test_variable_caption_lengths_train_as_each_alone(self, adapter, lora_model):
         """A micro-batch of two captions of different lengths, at two timesteps, predicts for each what the
@@ -116,7 +146,7 @@ def test_layout_is_the_pipelines_for_a_t2v_step(tiny):
     assert set(timesteps[0][timestep_indices[0][want_audio]].tolist()) == {NOISE_T}
     assert set(timesteps[0][timestep_indices[0][want_video]].tolist()) == {0.75}
     assert torch.equal(video[0], patchify_video_latents(latents, (1, 2, 2)))
-    assert audio.shape == (1, 2 * num_audio, 4) and abs(audio.std().item() - 1) < 0.3
+    assert audio.shape == (1, 2 * num_audio, 32) and abs(audio.std().item() - 1) < 0.3
     assert torch.equal(text_in, text["prompt_embeds"])
 
 
