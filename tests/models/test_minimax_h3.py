@@ -120,6 +120,7 @@ def test_layout_is_the_pipelines_for_a_t2v_step(tiny):
     """The pipeline's layout step for a t2va request of 22 frames at 64x32 (no keyframes) and its timestep step at
     one video timestep give exactly the first layer's rows: position ids, tags, indices and row timesteps; the video
     rows are the pipeline's patchified latents and the audio rows pure noise at t = 0 (what its first step holds)."""
+    from diffusers import MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
                                                                       MiniMaxH3SetTimestepsStep,
                                                                       patchify_video_latents)
@@ -144,6 +145,9 @@ def test_layout_is_the_pipelines_for_a_t2v_step(tiny):
                                                                     0.999, 1.0)
     assert torch.equal(timesteps[0][timestep_indices[0]], unique[inverse])
     assert set(timesteps[0][timestep_indices[0][want_audio]].tolist()) == {NOISE_T}
+    scheduler = MiniMaxH3Scheduler()
+    scheduler.set_timesteps(4)
+    assert scheduler.timesteps[0] == NOISE_T == 0.0  # the pipeline's first step: pure noise
     assert set(timesteps[0][timestep_indices[0][want_video]].tolist()) == {0.75}
     assert torch.equal(video[0], patchify_video_latents(latents, (1, 2, 2)))
     assert audio.shape == (1, 2 * num_audio, 32) and abs(audio.std().item() - 1) < 0.3
@@ -215,3 +219,30 @@ def test_images_and_other_frame_counts_are_refused(tiny):
     with pytest.raises(ValueError, match=r"frames: 9 frames; family 'minimax_h3' needs 17n \+ 5"):
         tiny.latent_spec(32, 32, 9)
     assert tiny.latent_spec(32, 32, 124)["latents"][0][1] == 37  # the pipeline's default length: 5 * 7 + 2
+
+
+def test_latents_are_what_the_pipeline_encodes(tiny, monkeypatch):
+    """The pipeline's `encode_vae_condition` (ImageNet-normalised [0, 1] pixels, normalised with the VAE's latent
+    statistics) of a clip, at the posterior's mode (the pipeline draws a sample and rounds it to float16), is the
+    normalised store entry."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
+
+    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
+    vae = tiny.load_vae(torch.device("cpu"))
+    pixels = torch.randint(0, 256, (1, 3, 22, 32, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    want = encode_vae_condition(vae, pixels, pipeline_fact("pixel_mean"), pipeline_fact("pixel_std"))[0]
+    entry = tiny.encode_media(vae, pixels.float() / 127.5 - 1)[0]["latents"]
+    torch.testing.assert_close(tiny.normalise_latents(entry), want, rtol=0, atol=3e-3)
+
+
+def test_samples_render_from_the_denoiser_training_builds(tiny):
+    """Training's denoiser (meta-initialised, only its pipeline layers' modules loaded) renders samples through the
+    pipeline, whose whole-transformer forward runs the audio head too."""
+    from diffusion_pipe.train.build import build_local_model
+
+    local = build_local_model(tiny, 1, 0, targets=tiny.default_lora_targets, rank=4, alpha=4.0, dropout=0.0, seed=0)
+    pipe = tiny.sample_pipeline(local.denoiser, tiny.load_vae(torch.device("cpu")))
+    out = pipe(prompt_embeds=[torch.randn(1, 3, 16)], height=32, width=32, num_frames=124, num_inference_steps=2,
+               generator=[torch.Generator().manual_seed(0)])
+    assert out.frames.shape == (1, 124, 32, 32, 3)
