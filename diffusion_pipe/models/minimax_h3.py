@@ -184,10 +184,11 @@ class MiniMaxH3Out(nn.Module):
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
         self.norm_out = transformer.norm_out
-        self.proj_out = transformer.proj_out
-        # Held, not run: training loads only the layers' modules, and the samples' whole-transformer forward (the
-        # pipeline's) runs the audio head too.
-        self.audio_proj_out = transformer.audio_proj_out
+        # The two heads sit in a plain container, not as children of their own: the samples' whole-transformer
+        # forward (the pipeline's) reads their parameters' dtype directly and runs the audio head too, so training
+        # must load the audio head (it is not run here: its rows get no loss) and, over several pipeline stages,
+        # rank 0 must borrow the heads' weights (train/samples.py) rather than stand in for them.
+        self.heads = nn.ModuleDict({"video": transformer.proj_out, "audio": transformer.audio_proj_out})
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         from diffusers.models.modeling_utils import get_parameter_dtype
@@ -196,7 +197,8 @@ class MiniMaxH3Out(nn.Module):
         out = []
         for b, n in enumerate(seq_lengths.tolist()):
             normed = self.norm_out(sequence[b:b + 1, :n], temb[b], timestep_indices[b, :n])
-            out.append(self.proj_out(normed.to(get_parameter_dtype(self.proj_out)).index_select(1, video_indices[b])))
+            head = self.heads["video"]
+            out.append(head(normed.to(get_parameter_dtype(head)).index_select(1, video_indices[b])))
         return torch.cat(out)
 
 

@@ -246,3 +246,37 @@ def test_samples_render_from_the_denoiser_training_builds(tiny):
     out = pipe(prompt_embeds=[torch.randn(1, 3, 16)], height=32, width=32, num_frames=124, num_inference_steps=2,
                generator=[torch.Generator().manual_seed(0)])
     assert out.frames.shape == (1, 124, 32, 32, 3)
+
+
+@pytest.mark.slow  # a 1-stage and a 2-stage train stage over the tiny example: about 40 s
+def test_two_pipeline_stages_match_one_with_samples(tmp_path):
+    """The tiny example trained over 2 stages (two CPU processes) gives the 1-stage losses and gradient norms, and
+    its samples (rank 0 renders through the pipeline's whole forward, borrowing the output heads' weights from the
+    last stage and calling its other modules there) equal the 1-stage ones."""
+    import sys
+
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
+    from tests.test_pipeline import loss_plot, train_losses
+
+    store = tmp_path / "store"
+    repo = make_pipeline_repo(tmp_path / "repo", store)
+    params = yaml.safe_load((REPO / "examples/minimax_h3-tiny/params.yaml").read_text())
+    params["train"].update(steps=3, warmup_steps=0, eval_every_steps=0, max_grad_norm=0.01)
+    params["train"]["samples"].update(every_steps=0, steps=2, prompts=params["train"]["samples"]["prompts"][:1])
+    for stages in (1, 2):
+        (repo / f"p{stages}.yaml").write_text(yaml.safe_dump(
+            {**params, "train": {**params["train"], "pipeline_stages": stages}}, sort_keys=False))
+    (repo / "params.yaml").write_text((repo / "p1.yaml").read_text())
+    for stage in ("scan", "encode"):
+        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    one = train_losses(repo, store, "p1.yaml", 1, tmp_path / "p1")
+    two = train_losses(repo, store, "p2.yaml", 2, tmp_path / "p2")
+    assert len(one) == 3 and one == pytest.approx(two, abs=1e-5)
+    assert loss_plot(tmp_path / "p1", "grad_norm") == pytest.approx(loss_plot(tmp_path / "p2", "grad_norm"), rel=1e-4)
+    for step in ("step000000", "step000003"):
+        (a,), (b,) = (list((tmp_path / p / "runs/samples").glob(f"*/{step}.png")) for p in ("p1", "p2"))
+        assert np.abs(np.asarray(Image.open(a), dtype=int) - np.asarray(Image.open(b), dtype=int)).max() <= 1
