@@ -432,9 +432,10 @@ class MiniMaxH3Adapter(Adapter):
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:
         """MiniMax H3's layout at toy width: a 2-block transformer (32 wide, 2 heads of 16, one refiner block; its
-        audio rows keep the real 32 channels, which the pipeline draws noise at without an audio VAE), the VAE's real geometry (x16 spatial, 17 frames to 5 latents) at 8 channels with a 1-layer
-        ViT decoder, a 51-layer, 16-wide Qwen3-VL (the pipeline reads hidden state 50) with a one-block vision tower,
-        its tokenizer (carrying the vision tokens) and a processor, and the two schedulers."""
+        audio rows keep the real 32 channels, which the pipeline draws noise at without an audio VAE), the VAE's
+        real geometry (x16 spatial, 17 frames to 5 latents) at 8 channels with a 1-layer ViT decoder, a 51-layer,
+        16-wide Qwen3-VL (the pipeline reads hidden state 50) with a one-block vision tower, its tokenizer (carrying
+        the vision tokens) and a processor, and the two schedulers."""
         from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
         from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
