@@ -280,3 +280,29 @@ def test_two_pipeline_stages_match_one_with_samples(tmp_path):
     for step in ("step000000", "step000003"):
         (a,), (b,) = (list((tmp_path / p / "runs/samples").glob(f"*/{step}.png")) for p in ("p1", "p2"))
         assert np.abs(np.asarray(Image.open(a), dtype=int) - np.asarray(Image.open(b), dtype=int)).max() <= 1
+
+
+def test_encode_refuses_an_image_item_naming_it(tiny, store_env):
+    """Encode's plan refuses an image in a minimax_h3 dataset, naming the item and saying why (text-to-video, clips
+    only), and plans a clip of 17n + 5 frames."""
+    import pyarrow as pa
+
+    from diffusion_pipe.config import ConfigError, from_dict
+    from diffusion_pipe.encode.encode import plan_samples
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import EncodeParams, ModelParams
+
+    clip = {"dataset": "clips", "path": "a.mp4", "status": "ok", "media": "video", "content_hash": "1" * 32,
+            "caption": "a square moving right", "buckets": ["32x32x5"], "split": "train", "repeats": 1,
+            "frame_starts": [0], "frame_stride": 1}
+    image = {**clip, "path": "b.png", "media": "image", "buckets": ["32x32x1"]}
+    model = from_dict(ModelParams, {"family": "minimax_h3", "path": str(tiny.model_dir), "dtype": "float32"}, "model")
+
+    def plan(rows):
+        return plan_samples(pa.Table.from_pylist(rows), load_adapter(model), model,
+                            from_dict(EncodeParams, {"text_max_length": 16}, "encode"))
+
+    with pytest.raises(ConfigError, match=r"clips/b\.png is an image, but model family 'minimax_h3' generates video "
+                                          r"only and trains on clips"):
+        plan([clip, image])
+    assert len(plan([clip])) == 1
