@@ -36,6 +36,9 @@ the store keeps its posterior's mode, normalised with the VAE's `latents_mean`/`
 have 17n + 5 frames (5n + 2 latent frames, the pipeline's `align_num_frames`); images are refused: the pipeline
 generates clips only (a single frame is a keyframe condition, never a target).
 
+No fp8 base weights (`model.base_dtype`): diffusers' AdaLN modulation casts its input to its Linear's parameter dtype,
+which an fp8-stored Linear makes float8; a block layer finding one says so (use `train.blocks_to_swap` for memory).
+
 Samples render through MiniMaxH3ModularPipeline's own `t2va` blocks (its core denoise step: layout, noise, the two
 schedules, the denoising loop; then its video decode step) over the stored embeddings, the trained transformer and the
 VAE: the audio is generated beside the video, as the model always does, and not decoded. The pipeline generates 5 to
@@ -171,6 +174,12 @@ class MiniMaxH3Block(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         sequence, temb, adaln_indices, cos, sin, timestep_indices, seq_lengths, video_indices = inputs
+        if self.block.adaln_proj.linear.weight.dtype.itemsize == 1:  # an fp8 base (model.base_dtype)
+            from diffusion_pipe.config import ConfigError
+
+            raise ConfigError("model.base_dtype: family 'minimax_h3' cannot keep its block weights in float8: "
+                              "diffusers' AdaLN modulation casts its input to its Linear's weight dtype; leave "
+                              "base_dtype empty (bf16 base weights) and use train.blocks_to_swap for memory")
         longest = sequence.shape[1]
         out = [_pad_rows(self.block(sequence[b:b + 1, :n], temb[b], adaln_indices[b, :n], (cos[b, :n], sin[b, :n])),
                          longest) for b, n in enumerate(seq_lengths.tolist())]

@@ -306,3 +306,18 @@ def test_encode_refuses_an_image_item_naming_it(tiny, store_env):
                                           r"only and trains on clips"):
         plan([clip, image])
     assert len(plan([clip])) == 1
+
+
+def test_fp8_base_weights_are_refused_naming_the_param(tiny):
+    """diffusers' AdaLN modulation casts its input to its Linear's weight dtype, which fp8 storage makes float8: a
+    block layer over fp8 base weights is a ConfigError naming model.base_dtype, not a dtype error in a matmul."""
+    from diffusion_pipe.config import ConfigError
+    from diffusion_pipe.train.fp8 import quantise_frozen_linears
+
+    layers = tiny.pipeline_layers(tiny.load_denoiser(torch.device("cpu")))
+    assert quantise_frozen_linears(layers[1:-1])
+    latents = random_like_spec(tiny.latent_spec(32, 32, 5), 1, 0)["latents"]
+    x = layers[0](tiny.model_inputs(latents, torch.tensor([0.5]), random_like_spec(tiny.text_spec(16), 1, 1), 1.0))
+    with pytest.raises(ConfigError, match="model.base_dtype: family 'minimax_h3' cannot keep its block weights in "
+                                          "float8"):
+        layers[1](x)
