@@ -54,7 +54,8 @@ sys.path.insert(0, str(REPO))
 PRIORITY = ("qwenimage", "qwenimage21", "flux2_klein", "krea2", "hunyuan_video15", "ltx", "ltx2", "sd3", "chroma",
             "zimage", "wan", "wan_i2v", "wan21_i2v", "wan_ti2v", "skyreels_v2", "hunyuan_video", "lumina2",
             "auraflow", "ernie_image", "hidream", "hunyuan_image", "flux2", "ideogram4", "kandinsky5_image",
-            "kandinsky5", "qwenimage_edit", "flux_kontext", "cosmos2", "cosmos2_image")
+            "kandinsky5", "qwenimage_edit", "flux_kontext", "cosmos2", "cosmos2_image",
+            "minimax_h3")
 
 
 class _Clock:

@@ -231,6 +231,17 @@ REAL: dict[str, dict] = {
         "configs": {"vae": _WAN_14B["configs"]["vae"], "text_encoder": {"d_model": 1024}},
         "media": (1024, 1024, 1), "text_len": 512,
     },
+    "minimax_h3": {  # MiniMaxAI/MiniMax-H3 (t2va partition), 33.1B: MiniMaxH3Transformer3DModel's defaults (diffusers
+        # 0.42.1 documents them as the released checkpoint's); 124 frames (17n + 5): the shortest the pipeline generates
+        "transformer": dict(num_attention_heads=56, attention_head_dim=128, hidden_size=5376, num_layers=50,
+                            num_refiner_layers=2, ffn_dim=14336, in_channels=24, audio_in_channels=32,
+                            patch_size=(1, 2, 2), text_dim=5120, freq_dim=256, time_embed_hidden_dim=5376,
+                            time_embed_dim=2688, rope_freq_dim=16),
+        "configs": {"vae": {"latent_channels": 24, "spatial_downsample_factors": [2, 2, 2, 2, 1, 1],
+                            "temporal_downsample_factors": [1, 2, 2, 1, 1, 1], "clip_length": 17, "token_drop": 3,
+                            "latents_mean": [0.0] * 24, "latents_std": [1.0] * 24}},
+        "media": (832, 480, 124), "text_len": 256,
+    },
     "hunyuan_video": {  # hunyuanvideo-community/HunyuanVideo, 13B; 17 frames, as Wan
         "transformer": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
@@ -268,6 +279,7 @@ REAL["flux_kontext"] = REAL["flux"]
 TINY_MEDIA = {"image": (64, 64, 1), "video": (64, 64, 9)}
 TINY_TEXT_LEN = 16
 TINY_TEXT_LEN_OF = {"wan21_i2v": 512}  # the only length the family takes
+TINY_MEDIA_OF = {"minimax_h3": (64, 64, 5)}  # 17n + 5 frames for MiniMax H3's VAE
 
 
 def media_shape(family: str, shape: str) -> tuple[tuple[int, int, int], int]:
@@ -277,7 +289,8 @@ def media_shape(family: str, shape: str) -> tuple[tuple[int, int, int], int]:
     from diffusion_pipe.models import adapter_class
 
     media = adapter_class(family).capabilities.media
-    return TINY_MEDIA["video" if "video" in media else "image"], TINY_TEXT_LEN_OF.get(family, TINY_TEXT_LEN)
+    return (TINY_MEDIA_OF.get(family, TINY_MEDIA["video" if "video" in media else "image"]),
+            TINY_TEXT_LEN_OF.get(family, TINY_TEXT_LEN))
 
 
 def _patch_json(path: Path, values: dict) -> None:

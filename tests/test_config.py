@@ -111,7 +111,7 @@ def test_shipped_example_params_load(path):
                                      "hunyuan_image-tiny", "hidream-tiny", "qwenimage_edit-tiny", "wan21_i2v-tiny",
                                      "kandinsky5-tiny", "kandinsky5_image-tiny",
                                      "ltx2-tiny", "ideogram4-tiny", "qwenimage21-tiny", "cosmos2-tiny",
-                                     "cosmos2_image-tiny"])
+                                     "cosmos2_image-tiny", "minimax_h3-tiny"])
 def test_each_bundled_example_runs_by_copying_its_params(example):
     """Switching examples is a params-only change: every path an example's params point at is a dep of the
     stages that read it in the repository's dvc.yaml."""

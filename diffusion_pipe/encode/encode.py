@@ -158,12 +158,14 @@ def text_sources(samples: list[Sample], roots: dict[str, Path], control_roots: d
 
 def check_media(row: dict, adapter: Adapter) -> None:
     """An item is of a medium the family trains on; else a ConfigError naming it: an image for a family that
-    generates clips from a first frame, a video for an image family."""
+    trains on clips only (one that generates clips from a first frame, or from text alone), a video for an image
+    family."""
     caps = adapter.capabilities
     if "image" not in caps.media and row["media"] == "image":
+        how = "turns a first frame into a video" if "i2v" in caps.tasks else "generates video only"
         raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is an image, but model family "
-                          f"'{adapter.name}' turns a first frame into a video and trains on clips; move the images "
-                          "to a dataset of their own trained with a text-to-video family, or leave them out")
+                          f"'{adapter.name}' {how} and trains on clips; move the images to a dataset of their "
+                          "own trained with a family that takes images, or leave them out")
     if "video" not in caps.media and row["media"] == "video":
         raise ConfigError(f"scan.datasets: {row['dataset']}/{row['path']} is a video, but model family "
                           f"'{adapter.name}' trains on images; leave the videos out, or extract frames from them as "

@@ -34,6 +34,7 @@ REGISTRY: dict[str, str] = {
     "ltx": "diffusion_pipe.models.ltx:LTXAdapter",
     "ltx2": "diffusion_pipe.models.ltx2:LTX2Adapter",
     "lumina2": "diffusion_pipe.models.lumina2:Lumina2Adapter",
+    "minimax_h3": "diffusion_pipe.models.minimax_h3:MiniMaxH3Adapter",
     "qwenimage": "diffusion_pipe.models.qwenimage:QwenImageAdapter",
     "qwenimage21": "diffusion_pipe.models.qwenimage21:QwenImage21Adapter",
     "qwenimage_edit": "diffusion_pipe.models.qwenimage_edit:QwenImageEditAdapter",
