@@ -254,8 +254,14 @@ class Adapter(ABC):
 
         `lora` holds PEFT-named tensors ('blocks.0.attn.to_q.lora_A.weight', ...) with the alpha/rank scale
         already folded into lora_B, so the result must apply at scale 1: formats that carry alpha get
-        `.alpha` = rank of that module. Unknown `fmt`: ValueError naming `export.formats`.
+        `.alpha` = rank of that module. Unknown `fmt`: ValueError naming `export.formats` (`unknown_format`).
         """
+
+    def unknown_format(self, fmt: str) -> ValueError:
+        """The error `export_lora` raises for a format this family does not write, naming the param and the
+        family's formats."""
+        return ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
+                          f"(supported: {', '.join(self.capabilities.export_formats)})")
 
     # ---- sample side -------------------------------------------------------------------------------
     def pipeline_class(self) -> type:

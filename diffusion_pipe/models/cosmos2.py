@@ -198,8 +198,7 @@ class Cosmos2Adapter(WanAdapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return comfyui_lora(lora)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

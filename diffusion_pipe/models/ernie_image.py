@@ -221,8 +221,7 @@ class ErnieImageAdapter(Adapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return {f"diffusion_model.{k}": v for k, v in lora.items()}
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'ernie_image' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -227,8 +227,7 @@ class FluxAdapter(Adapter):
             inner_dim = config["num_attention_heads"] * config["attention_head_dim"]
             # diffusers builds every single block with its default mlp_ratio of 4
             return comfyui_lora(lora, inner_dim=inner_dim, mlp_dim=int(inner_dim * 4.0))
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

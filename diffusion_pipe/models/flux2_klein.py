@@ -231,8 +231,7 @@ class Flux2KleinAdapter(Adapter):
         if fmt == "comfyui":
             config = self.component_config("transformer")
             return comfyui_lora(lora, config["num_attention_heads"] * config["attention_head_dim"])
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

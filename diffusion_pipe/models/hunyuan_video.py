@@ -238,8 +238,7 @@ class HunyuanVideoAdapter(Adapter):
             inner = c["num_attention_heads"] * c["attention_head_dim"]
             flux_named = comfyui_lora(lora, inner_dim=inner, mlp_dim=int(inner * c["mlp_ratio"]))
             return {hunyuan_original_name(k): v for k, v in flux_named.items()}
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'hunyuan_video' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -316,8 +316,7 @@ class HunyuanVideo15Adapter(Adapter):
             c = self.component_config("transformer")
             inner = c["num_attention_heads"] * c["attention_head_dim"]
             return comfyui_lora(lora, inner_dim=inner, mlp_dim=int(inner * c["mlp_ratio"]))
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'hunyuan_video15' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -392,8 +392,7 @@ class Kandinsky5Adapter(Adapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return comfyui_lora(lora)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

@@ -195,8 +195,7 @@ class Lumina2Adapter(Adapter):
             config = self.component_config("transformer")
             head_dim = config["hidden_size"] // config["num_attention_heads"]
             return comfyui_lora(lora, q_dim=config["hidden_size"], kv_dim=head_dim * config["num_kv_heads"])
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'lumina2' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -237,8 +237,7 @@ class QwenImageAdapter(Adapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return comfyui_lora(lora)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'qwenimage' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def tiny_template(cls) -> str:

@@ -349,8 +349,7 @@ class QwenImage21Adapter(QwenImageAdapter):
             return {f"transformer.{k}": v for k, v in lora.items()}
         if fmt == "comfyui":
             return comfyui_lora(lora, self.component_config("transformer"))
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family '{self.name}' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

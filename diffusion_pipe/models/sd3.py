@@ -196,8 +196,7 @@ class SD3Adapter(Adapter):
             config = self.component_config("transformer")
             return comfyui_lora(lora, config["num_attention_heads"] * config["attention_head_dim"],
                                 config["num_layers"])
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'sd3' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -251,8 +251,7 @@ class SDXLAdapter(Adapter):
             return {f"unet.{k}": v for k, v in lora.items()}
         if fmt == "kohya":
             return kohya_lora(lora, self.component_config("unet")["layers_per_block"])
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'sdxl' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -217,8 +217,7 @@ class ZImageAdapter(Adapter):
             from diffusion_pipe.models.qwenimage import comfyui_lora
 
             return comfyui_lora(lora)
-        raise ValueError(f"export.formats: {fmt!r} is not supported by family 'zimage' "
-                         f"(supported: {', '.join(self.capabilities.export_formats)})")
+        raise self.unknown_format(fmt)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

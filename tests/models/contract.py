@@ -336,7 +336,8 @@ class AdapterContract:
             out = adapter.export_lora(lora, fmt)
             assert out and all(isinstance(v, torch.Tensor) for v in out.values()), fmt
             assert all(v.ndim == 0 for k, v in out.items() if k.endswith(".alpha")), fmt
-        with pytest.raises(ValueError, match="export.formats: 'nope' is not supported"):
+        with pytest.raises(ValueError, match=f"export.formats: 'nope' is not supported by family '{adapter.name}' "
+                           rf"\(supported: {', '.join(adapter.capabilities.export_formats)}\)"):
             adapter.export_lora(lora, "nope")
 
     def test_sample_pipeline_renders_stored_embeddings(self, adapter, lora_model, tmp_path):
