@@ -625,6 +625,10 @@ MUTATIONS: list[Mutation] = [
              '_WEIGHT_SCALE_SUFFIXES = (".scale_weight",)',
              ("tests/models/test_fp8_single_file.py",),
              "an fp8 file with .weight_scale loads undequantised (diffusers' converter drops unknown keys silently)"),
+    Mutation("export-unknown-format-names-wan", "diffusion_pipe/models/base.py",
+             "is not supported by family '{self.name}' ", "is not supported by family 'wan' ",
+             ("tests/models/test_wan_i2v.py::TestWanI2VContract::test_every_format_exports",),
+             "an unsupported export format's error names Wan for every Wan-derived family"),
 ]
 
 
