@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -256,6 +257,15 @@ class Adapter(ABC):
         already folded into lora_B, so the result must apply at scale 1: formats that carry alpha get
         `.alpha` = rank of that module. Unknown `fmt`: ValueError naming `export.formats` (`unknown_format`).
         """
+
+    def transformer_export(self, lora: TensorDict, fmt: str, comfyui: Callable[[TensorDict], TensorDict]) -> TensorDict:
+        """The `export_lora` of a family whose diffusers pipeline loads PEFT names under `transformer.` and whose
+        ComfyUI layout `comfyui(lora)` writes."""
+        if fmt == "diffusers":
+            return {f"transformer.{k}": v for k, v in lora.items()}
+        if fmt == "comfyui":
+            return comfyui(lora)
+        raise self.unknown_format(fmt)
 
     def unknown_format(self, fmt: str) -> ValueError:
         """The error `export_lora` raises for a format this family does not write, naming the param and the

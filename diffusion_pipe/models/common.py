@@ -225,6 +225,16 @@ def vae_latent_stats(model_dir: Path, model_name: str) -> tuple[torch.Tensor, to
     return mean.float(), std.float(), float(config.get("scaling_factor", 1.0))
 
 
+def padded_text_entry(states: torch.Tensor, max_length: int) -> dict[str, torch.Tensor]:
+    """The text entry of one caption's token states (tokens, width): `prompt_embeds` zero-padded to `max_length`
+    rows, `prompt_mask` 1 on the caption's own rows and 0 on the padding."""
+    padded = states.new_zeros(max_length, states.shape[-1])
+    padded[:len(states)] = states
+    mask = torch.zeros(max_length, dtype=torch.long)
+    mask[:len(states)] = 1
+    return {"prompt_embeds": padded.contiguous().cpu(), "prompt_mask": mask}
+
+
 def attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
     """A main layer's attention mask from the one its family's first layer sends over the joint sequence: None for
     a (B, 1) mask, which stands for "no item is padded". The transformers (Z-Image, Lumina 2) pass None then, and

@@ -211,11 +211,7 @@ class LTXAdapter(Adapter):
 
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
-        if fmt == "diffusers":
-            return {f"transformer.{k}": v for k, v in lora.items()}
-        if fmt == "comfyui":
-            return comfyui_lora(lora)
-        raise self.unknown_format(fmt)
+        return self.transformer_export(lora, fmt, comfyui_lora)
 
     @classmethod
     def build_tiny(cls, out_dir: Path, seed: int = 0) -> None:

@@ -70,7 +70,7 @@ from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import (dtype_name, image_only_qwen_vl_processor, load_component,
-                                         save_tiny_qwen_tokenizer)
+                                         padded_text_entry, save_tiny_qwen_tokenizer)
 from diffusion_pipe.params import SamplePrompt
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -322,11 +322,7 @@ class MiniMaxH3Adapter(Adapter):
             states = get_qwen3vl_prompt_embeds(encoder, encoders["processor"], token_ids, {},
                                                text_encoder_layer=pipeline_fact("text_encoder_layer"),
                                                device=encoder.device, dtype=self.dtype)[0]
-            padded = states.new_zeros(max_length, states.shape[1])
-            padded[:len(token_ids)] = states
-            mask = torch.zeros(max_length, dtype=torch.long)
-            mask[:len(token_ids)] = 1
-            out.append({"prompt_embeds": padded.contiguous().cpu(), "prompt_mask": mask})
+            out.append(padded_text_entry(states, max_length))
         return out
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
@@ -430,11 +426,7 @@ class MiniMaxH3Adapter(Adapter):
 
     # ---- export side -------------------------------------------------------------------------------
     def export_lora(self, lora: TensorDict, fmt: str) -> TensorDict:
-        if fmt == "diffusers":
-            return {f"transformer.{k}": v for k, v in lora.items()}
-        if fmt == "comfyui":
-            return comfyui_lora(lora)
-        raise self.unknown_format(fmt)
+        return self.transformer_export(lora, fmt, comfyui_lora)
 
     # ---- model -------------------------------------------------------------------------------------
     @classmethod

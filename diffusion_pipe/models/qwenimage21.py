@@ -38,7 +38,8 @@ from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import (PipelineTextEncoder, bare_pipeline, dtype_name,
-                                         image_only_qwen_vl_processor, load_component, save_tiny_qwen_tokenizer)
+                                         image_only_qwen_vl_processor, load_component, padded_text_entry,
+                                         save_tiny_qwen_tokenizer)
 from diffusion_pipe.models.ideogram4 import QWEN3_VL_CHAT_TEMPLATE
 from diffusion_pipe.models.qwenimage import QwenImageAdapter
 
@@ -271,11 +272,7 @@ class QwenImage21Adapter(QwenImageAdapter):
                                   f"{caption[:80]!r} ({length} tokens in Qwen-Image 2.1's template); "
                                   "QwenImage21Pipeline never cuts a prompt: raise encode.text_max_length or shorten "
                                   "the caption")
-            padded = states.new_zeros(max_length, states.shape[2])
-            padded[:length] = states[0]
-            mask = torch.zeros(max_length, dtype=torch.long)
-            mask[:length] = 1
-            out.append({"prompt_embeds": padded.contiguous().cpu(), "prompt_mask": mask})
+            out.append(padded_text_entry(states[0], max_length))
         return out
 
     def text_spec(self, max_length: int) -> Spec:

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from diffusion_pipe.models.base import Capabilities, TensorDict
-from diffusion_pipe.models.common import PipelineTextEncoder, image_only_qwen_vl_processor, load_component
+from diffusion_pipe.models.common import (PipelineTextEncoder, image_only_qwen_vl_processor, load_component,
+                                         padded_text_entry)
 from diffusion_pipe.models.flux import pack_latents, unpack_latents
 from diffusion_pipe.models.qwenimage import MODEL_INDEX, QwenImageAdapter
 
@@ -131,11 +132,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 raise ConfigError(f"encode.text_max_length: {max_length} is shorter than a caption read with its "
                                   f"{width}x{height} control image ({length} tokens, most of them the image's); "
                                   f"set it to at least {length}")
-            padded = states.new_zeros(max_length, states.shape[2])
-            padded[:length] = states[0]
-            mask = torch.zeros(max_length, dtype=torch.long)
-            mask[:length] = 1
-            out.append({"prompt_embeds": padded.contiguous().cpu(), "prompt_mask": mask})
+            out.append(padded_text_entry(states[0], max_length))
         return out
 
     # ---- train side --------------------------------------------------------------------------------

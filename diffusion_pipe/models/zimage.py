@@ -15,7 +15,7 @@ from torch import nn
 
 from diffusion_pipe.models.base import Adapter, Capabilities, Spec, TensorDict
 from diffusion_pipe.models.common import PipelineTextEncoder, attention_mask, bare_pipeline, dtype_name, \
-    load_component, save_tiny_qwen_tokenizer
+    load_component, padded_text_entry, save_tiny_qwen_tokenizer
 from diffusion_pipe.models.wan import TopLevelParameters
 
 # Qwen3's chat template, reduced to what ZImagePipeline renders (one user message, the generation prompt, with
@@ -138,14 +138,7 @@ class ZImageAdapter(Adapter):
         pipe = encoders.pipeline
         states, _ = pipe.encode_prompt(list(captions), device=pipe.text_encoder.device,
                                        do_classifier_free_guidance=False, max_sequence_length=max_length)
-        out = []
-        for real in states:
-            padded = real.new_zeros(max_length, real.shape[-1])
-            padded[:len(real)] = real
-            mask = torch.zeros(max_length, dtype=torch.long)
-            mask[:len(real)] = 1
-            out.append({"prompt_embeds": padded.contiguous().cpu(), "prompt_mask": mask})
-        return out
+        return [padded_text_entry(real, max_length) for real in states]
 
     def latent_spec(self, width: int, height: int, frames: int) -> Spec:
         s = self.vae_scale
