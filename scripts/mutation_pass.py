@@ -629,6 +629,14 @@ MUTATIONS: list[Mutation] = [
              "is not supported by family '{self.name}' ", "is not supported by family 'wan' ",
              ("tests/models/test_wan_i2v.py::TestWanI2VContract::test_every_format_exports",),
              "an unsupported export format's error names Wan for every Wan-derived family"),
+    Mutation("transformer-export-unprefixed", "diffusion_pipe/models/base.py",
+             'return {f"transformer.{k}": v for k, v in lora.items()}', "return dict(lora)",
+             ("tests/models/test_ltx.py", "tests/models/test_cosmos2.py"),
+             "the shared diffusers export writes bare PEFT names its pipelines do not load"),
+    Mutation("padded-text-mask-covers-padding", "diffusion_pipe/models/common.py", "mask[:len(states)] = 1",
+             "mask[:] = 1", ("tests/models/test_zimage.py", "tests/models/test_minimax_h3.py",
+                             "tests/models/test_qwenimage21.py", "tests/models/test_qwenimage_edit.py"),
+             "a padded text entry's mask marks the padding rows as the caption's"),
 ]
 
 
