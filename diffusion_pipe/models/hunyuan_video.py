@@ -35,10 +35,12 @@ def _text_pipeline(encoders: dict) -> object:
 
 def sequence_mask(text_mask: torch.Tensor, num_latent_tokens: int) -> torch.Tensor:
     """The joint sequence's attention mask (B, 1, 1, N) as HunyuanVideoTransformer3DModel.forward builds it: every
-    latent token, then as many text tokens as the caption has (the text's own mask is padding at the end)."""
+    latent token, then as many text tokens as the caption has (the text's own mask is padding at the end). The
+    mask may require grad (a float tensor sent between pipeline stages does): it is counted through a comparison,
+    which autograd does not track, since an integer sum of it would fail."""
     b, n_text = text_mask.shape
     indices = torch.arange(num_latent_tokens + n_text, device=text_mask.device).unsqueeze(0)
-    effective = num_latent_tokens + text_mask.sum(dim=1, dtype=torch.int)
+    effective = num_latent_tokens + text_mask.gt(0).sum(dim=1, dtype=torch.int)
     return (indices < effective.unsqueeze(1)).view(b, 1, 1, -1)
 
 

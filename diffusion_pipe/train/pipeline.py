@@ -308,7 +308,13 @@ def trim_engine_step(engine, trainable: list[torch.Tensor], optimizer, dp_world:
     - Clearing gradients after the optimizer step: DeepSpeed's `zero_grad` walks every named parameter of the
       stage, frozen ones included (none has a gradient); the optimizer's clears the trainable tensors', and its
       fp32 masters' gradients, which were otherwise kept through the next forward and backward (4 bytes per
-      trained parameter: 1 GB for HiDream-I1's LoRA)."""
+      trained parameter: 1 GB for HiDream-I1's LoRA).
+
+    And one of the engine's at every micro-batch: with activation checkpointing it takes any checkpoint function
+    but its own as reentrant, and so marks every float input of the first stage as requiring grad; ours is torch's
+    non-reentrant one, which needs no such mark. Marked, the backward computed gradients of the latents, text
+    embeddings and masks that nothing reads, and a family counting a float mask in integers failed."""
+    engine._reentrant_activation_checkpointing = lambda: False
     if dp_world == 1:
         engine.allreduce_gradients = functools.partial(zero_missing_grads, trainable)
     engine.zero_grad = functools.partial(optimizer.zero_grad, set_to_none=True)

@@ -21,6 +21,7 @@ from diffusion_pipe.models import REGISTRY, adapter_class
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.train.data import noise_latents
 from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
+from diffusion_pipe.train.pipeline import ensure_grad
 
 MEDIA = {"image", "video"}
 TASKS = {"t2i", "t2v", "i2v", "edit"}
@@ -275,6 +276,8 @@ class AdapterContract:
         for layer in layers[:-1]:
             x = layer(x)
             assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x)
+            # any layer may end a pipeline stage, whose float outputs are sent marked as requiring grad (masks too)
+            x = tuple(ensure_grad(t) for t in x)
         split = adapter.prediction_to_latents(layers[-1](x), latents)
         with torch.no_grad():
             full = self.unsplit_forward(adapter, denoiser, inputs, latents)

@@ -15,9 +15,10 @@ from diffusion_pipe.train.pipeline import switch_modes_in_one_loop
 from tests.conftest import REPO
 
 # Three steps of a one-stage pipeline engine as the train stage builds it (a world of one on gloo) over bf16
-# trainable tensors, one of which gets no gradient, with or without `trim_engine_step` (argv[1]); prints the
-# weights, how often DeepSpeed's bucketed reduction ran, whether the masters' gradients outlived the step and
-# whether the module switches modes in one loop.
+# trainable tensors, one of which gets no gradient, with or without `trim_engine_step` (argv[1]), with or without
+# activation checkpointing (argv[2]); prints the weights, how often DeepSpeed's bucketed reduction ran, whether the
+# masters' gradients outlived the step, whether the module switches modes in one loop and whether the first layer
+# got inputs that require grad.
 _ENGINE_SCRIPT = """
 import json, sys, torch
 import deepspeed
@@ -30,7 +31,9 @@ from tests.train.test_engine_step import Scaling
 init_distributed("cpu")
 torch.manual_seed(0)
 layers = [Scaling() for _ in range(3)]
-module = build_pipeline_module(layers, 1, lambda out, labels: (out - labels[0]).square().mean(), False, 0, (0, 3))
+checkpointed = sys.argv[2] == "checkpointed"
+module = build_pipeline_module(layers, 1, lambda out, labels: (out - labels[0]).square().mean(), checkpointed, 0,
+                               (0, 3))
 trainable = [p for p in module.parameters() if p.requires_grad]
 optimizer = MasterWeightAdamW(trainable, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
 engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config(TrainParams(), 1))
@@ -45,7 +48,7 @@ for _ in range(3):
     engine.train_batch(batches)
 print(json.dumps({"weights": [p.float().tolist() for p in trainable], "reductions": len(reductions),
                   "master_grads_kept": any(m.grad is not None for m in optimizer.masters),
-                  "one_loop_switch": "train" in vars(module)}))
+                  "one_loop_switch": "train" in vars(module), "input_grad": any(layers[0].input_grad)}))
 """
 
 
@@ -57,13 +60,15 @@ class Scaling(nn.Module):
         self.linear = nn.Linear(8, 8).requires_grad_(False)
         self.scale = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
         self.unused = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        self.input_grad: list[bool] = []  # whether each input it got required grad
 
     def forward(self, x):
+        self.input_grad.append(x.requires_grad)
         return self.linear(x) * self.scale.float()
 
 
-def _engine_run(variant: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, variant], cwd=REPO, capture_output=True, text=True,
+def _engine_run(variant: str, checkpointing: str = "plain") -> dict:
+    out = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, variant, checkpointing], cwd=REPO, capture_output=True, text=True,
                          timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -78,6 +83,16 @@ def test_trimmed_engine_steps_to_deepspeeds_weights_without_its_reduction():
     assert own["one_loop_switch"]  # build_pipeline_module's
     assert trimmed["weights"] == own["weights"]
     assert own["weights"][1] != [1.0] * 4  # the unused vector (second parameter) moved
+    assert not own["input_grad"] and not trimmed["input_grad"]
+
+
+def test_checkpointed_engine_feeds_inputs_that_need_no_grad():
+    """With activation checkpointing DeepSpeed marks the first stage's float inputs as requiring grad (it takes our
+    non-reentrant checkpoint for a reentrant one); the trimmed engine does not, and the weights are the same: the
+    gradients it spared were the inputs', which nothing reads."""
+    own, trimmed = _engine_run("own", "checkpointed"), _engine_run("trimmed", "checkpointed")
+    assert own["input_grad"] and not trimmed["input_grad"]
+    assert trimmed["weights"] == own["weights"]
 
 
 def test_mode_switch_sets_every_module_without_recursion(monkeypatch):
