@@ -37,6 +37,7 @@ import argparse
 import gc
 import importlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -145,12 +146,14 @@ def plain_family(family: str, adapter, media: tuple[int, int, int], text_len: in
 
 
 def _reason(error: BaseException | str) -> str:
-    """A failure in a few words: OOM, or the exception's last line."""
+    """A failure in a few words: OOM, or the exception's line (the last line naming an error: a stage's stderr
+    may end in warnings printed at its exit), else the last line."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     if "out of memory" in text.lower() or "OutOfMemoryError" in text:
         return "OOM"
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else text)[:160]
+    errors = [line for line in lines if re.search(r"\w(Error|Exception): ", line)]
+    return ((errors or lines)[-1].removeprefix("[rank0]: ") if lines else text)[:160]
 
 
 def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log, plain: bool = True,

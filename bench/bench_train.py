@@ -114,6 +114,9 @@ VARIANTS = {
     **{f"cap24-swap{n}-keep-attention-compile": {
         "plain": False, "activation_checkpointing": True, "activation_checkpointing_keep": "attention",
         "blocks_to_swap": n, "compile": True, "max_gpu_memory_gb": 24} for n in (20, 14, 10)},
+    # the swapped-block counts of the video families' 24 GB example params (bench_family.py --runs)
+    **{f"cap24-swap{n}": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": n,
+                          "max_gpu_memory_gb": 24} for n in (10, 24, 44)},
     "cap16": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 8, "max_gpu_memory_gb": 16},
     # only a share of the layers recompute (train.activation_checkpointing_share): the rest keep their activations
     **{f"cap24-noswap-share{round(share * 100)}": {

@@ -56,3 +56,14 @@ def test_the_tiny_run_of_an_edit_family_gives_both_rows(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["family"] == "qwenimage_edit"
     assert row["plain"]["step_seconds"] > 0 and row["ours"]["step_seconds"] > 0
+
+
+def test_a_failed_runs_row_names_the_exception_not_the_warnings_after_it():
+    """A train stage's stderr ends in what it printed at exit (NCCL's destroy_process_group warning); the row
+    names the exception above it, and a memory failure in one word."""
+    stderr = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in forward\n"
+              "[rank0]: RuntimeError: Autograd not support dtype: Int\n"
+              "[rank0]:[W1206 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called\n")
+    assert bench_family._reason(stderr) == "RuntimeError: Autograd not support dtype: Int"
+    assert bench_family._reason(stderr.replace("RuntimeError: Autograd", "torch.OutOfMemoryError: CUDA")) == "OOM"
+    assert bench_family._reason("no exception here\nlast line") == "last line"
