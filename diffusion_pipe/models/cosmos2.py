@@ -40,9 +40,9 @@ T_CONDITIONING = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
 
 class CosmosEmbed(nn.Module):
     """First layer: the zero padding-mask channel, rotary tables, patch embedding and the per-frame timestep
-    embeddings spread over each frame's tokens, as CosmosTransformer3DModel.forward computes them. Takes (latents
-    with the condition-mask channel, one timestep per latent frame, text); returns (tokens, text, embedded
-    timestep, timestep embedding, cos, sin)."""
+    embeddings spread over each frame's tokens (one per sample for one frame), as CosmosTransformer3DModel.forward
+    computes them. Takes (latents with the condition-mask channel, one timestep per latent frame, text); returns
+    (tokens, text, embedded timestep, timestep embedding, cos, sin)."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
@@ -59,8 +59,12 @@ class CosmosEmbed(nn.Module):
         tokens = self.patch_embed(latents).flatten(1, 3)
         temb, embedded = self.time_embed(tokens, timesteps.flatten())
         pt, ph, pw = self.patch
-        temb, embedded = (x.view(b, frames // pt, 1, 1, -1).expand(-1, -1, height // ph, width // pw, -1)
-                          .flatten(1, 3) for x in (temb, embedded))
+        if frames // pt > 1:  # a timestep per latent frame: each frame's tokens get theirs
+            temb, embedded = (x.view(b, frames // pt, 1, 1, -1).expand(-1, -1, height // ph, width // pw, -1)
+                              .flatten(1, 3) for x in (temb, embedded))
+        # one latent frame (an image): one embedding per sample, which the blocks' norms broadcast over the tokens
+        # as the transformer does for Text2Image. Spread per token, every block's three norms projected each token's
+        # copy: at 1024x1024 on an H100 ours took 0.290 s a step against plain's 0.231, and 5.6 GB more
         return tokens, text, embedded, temb, cos, sin
 
 
