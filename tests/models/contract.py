@@ -292,6 +292,27 @@ class AdapterContract:
         assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
         denoiser.zero_grad(set_to_none=True)
 
+    def test_pipeline_layers_compute_no_more_than_the_unsplit_forward(self, adapter, lora_model):
+        """The layers do the transformer's own work and no more (matmul and attention FLOPs, counted on one sample:
+        a batch pads captions to the longest, which some unsplit forwards run one by one): work a layer repeats
+        per token that the transformer does once per sample shows here on the tiny model."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        denoiser, _ = lora_model
+        latents, _, inputs = self._inputs(adapter, batch=1)
+        counts = []
+        for run in ("split", "full"):
+            counter = FlopCounterMode(display=False)
+            with torch.no_grad(), counter:
+                if run == "split":
+                    x = inputs
+                    for layer in adapter.pipeline_layers(denoiser):
+                        x = layer(x)
+                else:
+                    self.unsplit_forward(adapter, denoiser, inputs, latents)
+            counts.append(counter.get_total_flops())
+        assert counts[0] <= counts[1] * 1.001, counts
+
     def test_layers_built_as_training_builds_them_match(self, adapter, lora_model):
         """Meta init + per-stage weight loading (train/build.py) leaves no meta tensor in any layer, and
         the LoRA-free layers compute the plain denoiser's forward."""
