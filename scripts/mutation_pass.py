@@ -637,6 +637,21 @@ MUTATIONS: list[Mutation] = [
              "mask[:] = 1", ("tests/models/test_zimage.py", "tests/models/test_minimax_h3.py",
                              "tests/models/test_qwenimage21.py", "tests/models/test_qwenimage_edit.py"),
              "a padded text entry's mask marks the padding rows as the caption's"),
+    Mutation("engine-marks-first-stage-inputs", "diffusion_pipe/train/pipeline.py",
+             "    engine._reentrant_activation_checkpointing = lambda: False\n", "",
+             ("tests/train/test_engine_step.py",),
+             "under checkpointing DeepSpeed marks every float input of the first stage as requiring grad"),
+    Mutation("hunyuan-video-mask-integer-sum", "diffusion_pipe/models/hunyuan_video.py",
+             "text_mask.gt(0).sum(dim=1, dtype=torch.int)", "text_mask.sum(dim=1, dtype=torch.int)",
+             ("tests/models/test_hunyuan_video.py",),
+             "HunyuanVideo's block fails on a text mask that requires grad (sent between stages)"),
+    Mutation("cosmos-image-timestep-per-token", "diffusion_pipe/models/cosmos2.py",
+             "        if frames // pt > 1:", "        if frames // pt > 0:",
+             ("tests/models/test_cosmos2_image.py",),
+             "an image's timestep embedding is copied to every token, and every block's norms project each copy"),
+    Mutation("bench-row-names-last-line", "bench/bench_family.py", "return ((errors or lines)[-1]",
+             "return ((lines or errors)[-1]", ("tests/test_bench.py",),
+             "a failed bench run's row names the warning printed at exit instead of the exception"),
 ]
 
 
