@@ -68,8 +68,8 @@ class Scaling(nn.Module):
 
 
 def _engine_run(variant: str, checkpointing: str = "plain") -> dict:
-    out = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, variant, checkpointing], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, variant, checkpointing], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
