@@ -1,12 +1,18 @@
 """Attention kernels torch offers on this device, at a family's attention shape: forward + backward time of each
-SDPA backend, and how far its outputs and gradients are from the flash kernel's (the train stage's default).
+SDPA backend, in the layouts a diffusers attention processor hands them, eager and compiled, and how far each
+one's outputs and gradients are from the flash kernel's (the train stage's default).
 
     python bench/bench_attention.py                       # Flux-dev at 1024x1024: 24 heads x 128, 4096 + 512 tokens
     python bench/bench_attention.py --tokens 4608 --heads 24 --head-dim 128 --iters 50
 
-Each backend runs alone (torch.nn.attention.sdpa_kernel), `--iters` timed forward + backward passes after three
-warm-up ones, on the same bf16 inputs; a backend torch refuses for these inputs is reported as such. The many
-iterations are also the check for the crash once seen in a cuDNN attention backward (NOTES.md).
+Layouts: `bhsd`, q/k/v contiguous as [batch, heads, tokens, head dim] (the kernels' own); `bshd`, what diffusers'
+`native` backend passes: projections shaped [batch, tokens, heads, head dim] and permuted (strided views), the
+output permuted back and flattened to [batch, tokens, width], as the processor's out-projection takes it;
+`bshd-contiguous`, the same with q/k/v copied to the kernels' layout first (diffusers' `_native_cudnn` backend),
+the copies timed. Each backend runs alone (torch.nn.attention.sdpa_kernel), `--iters` timed forward + backward
+passes after three warm-up ones (compiled: after compiling), on the same bf16 inputs; a backend torch refuses for
+these inputs is reported as such. The many iterations are also the check for the crash once seen in a cuDNN
+attention backward (NOTES.md).
 """
 
 from __future__ import annotations
@@ -14,30 +20,56 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def run(backend: SDPBackend, q, k, v, grad, iters: int) -> tuple[float, tuple[torch.Tensor, ...]]:
-    """Seconds per forward + backward (median of `iters`), and the output and input gradients of the last."""
+def attention_in(layout: str, backend: SDPBackend):
+    """The attention as a processor runs it in `layout`: (q, k, v) in the layout's input shape -> output."""
+
+    def bhsd(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def bshd(q, k, v):
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (q, k, v))
+        if layout == "bshd-contiguous":
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v)
+        return out.permute(0, 2, 1, 3).flatten(2, 3)
+
+    return bhsd if layout == "bhsd" else bshd
+
+
+def run(fn, q, k, v, grad, iters: int) -> tuple[float, tuple[torch.Tensor, ...]]:
+    """Seconds per forward + backward (median of `iters`), and the output and input gradients of the last, in
+    the kernels' [batch, heads, tokens, head dim] layout whatever the inputs' layout (to compare across them)."""
     times = []
     for i in range(iters + 3):
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with sdpa_kernel(backend):
-            out = F.scaled_dot_product_attention(q_, k_, v_)
+        out = fn(q_, k_, v_)
         out.backward(grad)
         end.record()
         torch.cuda.synchronize()
         if i >= 3:
             times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2], (out.detach(), q_.grad, k_.grad, v_.grad)
+    tensors = (out.detach(), q_.grad, k_.grad, v_.grad)
+    if out.dim() == 3:  # [batch, tokens, width] from a bshd layout
+        tensors = (out.detach().unflatten(-1, q.shape[2:]), q_.grad, k_.grad, v_.grad)
+        tensors = tuple(t.transpose(1, 2) for t in tensors)
+    return sorted(times)[len(times) // 2], tensors
 
 
 def main() -> None:
@@ -47,31 +79,131 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--layouts", default="bhsd,bshd,bshd-contiguous")
+    parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--flux-blocks", action="store_true",
+                        help="also: a Flux double and single block at this width, flash against cuDNN as the train "
+                             "stage picks them (train.attention), their gradients compared")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
     gen = torch.Generator("cuda").manual_seed(0)
-    shape = (args.batch, args.heads, args.tokens, args.head_dim)
-    q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    flops = 4 * args.batch * args.heads * args.tokens ** 2 * args.head_dim * 3.5  # fwd 2 products, bwd 5
+    b, h, s, d = args.batch, args.heads, args.tokens, args.head_dim
+    flops = 4 * b * h * s ** 2 * d * 3.5  # fwd 2 products, bwd 5
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
-          f"{shape} bf16, {args.iters} iterations")
+          f"batch {b}, {h} heads x {d}, {s} tokens, bf16, {args.iters} iterations")
     impls = getattr(torch.nn.attention, "list_flash_attention_impls", None)
     print(f"flash attention implementations registered: {impls() if impls else 'none (this torch has no registry)'}")
     results, reference = {}, None
-    for name, backend in BACKENDS.items():
-        try:
-            seconds, tensors = run(backend, q, k, v, grad, args.iters)
-        except RuntimeError as error:  # torch refuses the backend for these inputs
-            results[name] = {"error": str(error).splitlines()[0][:200]}
-            print(f"{name:10s} refused: {results[name]['error']}")
-            continue
-        reference = reference or tensors
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(tensors, reference))
-        results[name] = {"seconds": seconds, "tflops": flops / seconds / 1e12, "max_abs_diff_vs_flash": diff}
-        print(f"{name:10s} {seconds * 1000:8.3f} ms fwd+bwd  {flops / seconds / 1e12:6.0f} TFLOP/s  "
-              f"max |diff| vs flash {diff:.3g}")
+    bhsd = [torch.randn((b, h, s, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    for layout in filter(None, args.layouts.split(",")):
+        q, k, v, grad = bhsd  # the same values in every layout
+        if layout != "bhsd":
+            q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            grad = grad.transpose(1, 2).flatten(2, 3).contiguous()
+        for mode in ["eager"] + ([] if args.no_compile else ["compiled"]):
+            for name, backend in BACKENDS.items():
+                key = f"{layout} {mode} {name}"
+                fn = attention_in(layout, backend)
+                if mode == "compiled":
+                    torch._dynamo.reset()
+                    fn = torch.compile(fn)
+                try:
+                    seconds, tensors = run(fn, q, k, v, grad, args.iters)
+                except Exception as error:  # torch refuses the backend for these inputs
+                    results[key] = {"error": str(error).strip().splitlines()[-1][:200]}
+                    print(f"{key:32s} refused: {results[key]['error']}")
+                    continue
+                if layout == "bhsd" and mode == "eager" and name == "flash":
+                    reference = tensors
+                diffs = [(x.float() - y.float()).abs().max().item() for x, y in zip(tensors, reference)]
+                results[key] = {"seconds": seconds, "tflops": flops / seconds / 1e12,
+                                "max_abs_diff_vs_flash": dict(zip(("out", "dq", "dk", "dv"), diffs))}
+                print(f"{key:32s} {seconds * 1000:8.3f} ms fwd+bwd  {flops / seconds / 1e12:6.0f} TFLOP/s  "
+                      f"max |diff| vs eager flash: out {diffs[0]:.3g} dq {diffs[1]:.3g} dk {diffs[2]:.3g} "
+                      f"dv {diffs[3]:.3g}")
+    if args.flux_blocks:
+        results["flux_blocks"] = flux_blocks(b, h, d, s - 512, 512, args.iters, not args.no_compile)
     print(json.dumps(results))
+
+
+def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens: int, iters: int,
+                compiled: bool, device: str = "cuda") -> dict:
+    """A diffusers Flux double block then a single block (random init, bf16), forward + backward with the SDPA
+    kernel order the train stage sets for `train.attention` flash and cudnn (`use_attention_kernel`): seconds
+    per pass and, against flash, the largest difference in the outputs and in the gradients of the inputs and of
+    every weight (|a - b| / |b|, norms of the whole tensor). cuDNN's kernel gets the strided q/k/v views
+    diffusers' attention processor makes, and whatever layout of the output's gradient autograd (or the compiled
+    graph) hands back: a kernel that mishandled either would show here as a large difference."""
+    from diffusers.models.embeddings import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    from diffusion_pipe.train.pipeline import use_attention_kernel
+
+    width, dtype = heads * dim, torch.bfloat16
+    torch.manual_seed(0)
+    double = FluxTransformerBlock(width, heads, dim).to(device, dtype)
+    single = FluxSingleTransformerBlock(width, heads, dim).to(device, dtype)
+    gen = torch.Generator(device).manual_seed(2)
+    image = torch.randn(batch, image_tokens, width, device=device, dtype=dtype, generator=gen)
+    text = torch.randn(batch, text_tokens, width, device=device, dtype=dtype, generator=gen)
+    temb = torch.randn(batch, width, device=device, dtype=dtype, generator=gen)
+    side = int(image_tokens ** 0.5)
+    ids = torch.zeros(text_tokens + image_tokens, 3, device=device)
+    ids[text_tokens:, 1] = torch.arange(image_tokens, device=device) // side
+    ids[text_tokens:, 2] = torch.arange(image_tokens, device=device) % side
+    rotary = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56] if dim == 128 else [dim // 4, dim // 4, dim // 2])(ids)
+    grad = torch.randn(batch, image_tokens, width, device=device, dtype=dtype, generator=gen)
+
+    def forward(x, c):
+        c, x = double(x, c, temb, rotary)
+        c, x = single(x, c, temb, rotary)
+        return x
+
+    out = {}
+    for mode in ["eager"] + (["compiled"] if compiled else []):
+        reference = None
+        for kernel in ("flash", "cudnn"):
+            use_attention_kernel(kernel)
+            fn = forward
+            if mode == "compiled":
+                torch._dynamo.reset()
+                fn = torch.compile(forward)
+            times = []
+            for i in range(iters + 3):
+                for p in (*double.parameters(), *single.parameters()):
+                    p.grad = None
+                x, c = image.detach().requires_grad_(), text.detach().requires_grad_()
+                start = time.perf_counter()
+                y = fn(x, c)
+                y.backward(grad)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+            tensors = {"out": y.detach(), "d image": x.grad, "d text": c.grad,
+                       **{f"double.{n}": p.grad for n, p in double.named_parameters()},
+                       **{f"single.{n}": p.grad for n, p in single.named_parameters()}}
+            row = {"seconds": sorted(times)[len(times) // 2]}
+            if reference is None:
+                reference = tensors
+            else:
+                # |a - b| / |b| per tensor (Frobenius norms), over the tensors whose gradient is not noise: a key
+                # bias's gradient is near zero (softmax ignores a shift shared by every key), so its bf16 rounding
+                # would rank first
+                norms = {n: reference[n].float().norm().item() for n in tensors}
+                rel = {n: (t.float() - reference[n].float()).norm().item() / norms[n] for n, t in tensors.items()
+                       if norms[n] > 1e-3 * max(norms.values())}
+                worst = max(rel, key=rel.get)
+                row.update(worst=worst, worst_relative_diff=rel[worst], out_relative_diff=rel["out"],
+                           inputs_relative_diff=max(rel["d image"], rel["d text"]))
+            out[f"{mode} {kernel}"] = row
+            print(f"flux blocks {mode:8s} {kernel:6s} {row['seconds'] * 1000:8.2f} ms fwd+bwd"
+                  + (f"  vs flash, |a - b| / |b|: out {row['out_relative_diff']:.3g}, input gradients "
+                     f"{row['inputs_relative_diff']:.3g}, worst gradient {worst} {row['worst_relative_diff']:.3g}"
+                     if "worst" in row else ""))
+    use_attention_kernel("flash")
+    return out
 
 
 if __name__ == "__main__":

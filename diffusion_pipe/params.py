@@ -343,6 +343,8 @@ class TrainParams:
     # run again.
     activation_checkpointing_keep: Literal["", "attention", "narrow"] = ""
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
+    # the attention kernel on GPUs: torch's flash attention, or cuDNN's (train/pipeline.py `use_attention_kernel`)
+    attention: Literal["flash", "cudnn"] = "flash"
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
     # with blocks_to_swap: copy the next swapped block's weights while the current one computes (one more block's
     # weights on the GPU at a time); false: copy each block's when it is needed, the compute waiting for the copy

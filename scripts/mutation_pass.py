@@ -652,6 +652,15 @@ MUTATIONS: list[Mutation] = [
     Mutation("bench-row-names-last-line", "bench/bench_family.py", "return ((errors or lines)[-1]",
              "return ((lines or errors)[-1]", ("tests/test_bench.py",),
              "a failed bench run's row names the warning printed at exit instead of the exception"),
+    Mutation("attention-cudnn-allows-flash", "diffusion_pipe/train/pipeline.py",
+             '"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,',
+             '"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,',
+             ("tests/train/test_attention_kernel.py",),
+             "train.attention: cudnn leaves flash allowed, which compiled code then takes"),
+    Mutation("attention-kernel-in-run-identity", "diffusion_pipe/train/loop.py",
+             '"save_lora_every_steps", "swap_prefetch", "attention")', '"save_lora_every_steps", "swap_prefetch")',
+             ("tests/train/test_resume_identity.py",),
+             "switching the attention kernel (or upgrading to a version with train.attention) restarts the run"),
 ]
 
 

@@ -92,9 +92,10 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
     how many are kept do not change what is trained, so they are left out: changing them continues the run (as do
-    samples, the LoRAs written along the way, and whether swapped blocks are copied ahead)."""
+    samples, the LoRAs written along the way, whether swapped blocks are copied ahead and which kernel computes
+    attention, the same product rounded otherwise)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
-               "save_lora_every_steps", "swap_prefetch")
+               "save_lora_every_steps", "swap_prefetch", "attention")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
@@ -133,7 +134,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     empty) under `runs_root/loras/<run id>/` (train/step_loras.py)."""
     import deepspeed
 
-    dist = init_distributed(train.device)
+    dist = init_distributed(train.device, train.attention)
     check_dtype_supported(model.dtype)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")

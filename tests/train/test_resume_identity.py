@@ -35,6 +35,10 @@ def test_samples_are_not_part_of_the_run_but_what_trains_is(encoded):
     base = run_identity(model, train, encoded, 32, 1)
     prompts = SampleParams(prompts=(SamplePrompt("a red cube", seed=3),), every_steps=5)
     assert run_identity(model, dataclasses.replace(train, samples=prompts), encoded, 32, 1) == base
+    # the attention kernel: the same product, rounded otherwise; a run from before train.attention existed (its
+    # identity without the key) continues too
+    assert run_identity(model, dataclasses.replace(train, attention="cudnn"), encoded, 32, 1) == base
+    assert "attention" not in base["train"]
     assert run_identity(model, dataclasses.replace(train, learning_rate=train.learning_rate / 2), encoded, 32,
                         1) != base
     assert run_identity(model, train, encoded, 64, 1) != base
