@@ -4,6 +4,7 @@ one's outputs and gradients are from the flash kernel's (the train stage's defau
 
     python bench/bench_attention.py                       # Flux-dev at 1024x1024: 24 heads x 128, 4096 + 512 tokens
     python bench/bench_attention.py --tokens 4608 --heads 24 --head-dim 128 --iters 50
+    python bench/bench_attention.py --flux-blocks --layouts ''  # Flux blocks only: flash against cuDNN
 
 Layouts: `bhsd`, q/k/v contiguous as [batch, heads, tokens, head dim] (the kernels' own); `bshd`, what diffusers'
 `native` backend passes: projections shaped [batch, tokens, heads, head dim] and permuted (strided views), the
@@ -12,7 +13,9 @@ output permuted back and flattened to [batch, tokens, width], as the processor's
 the copies timed. Each backend runs alone (torch.nn.attention.sdpa_kernel), `--iters` timed forward + backward
 passes after three warm-up ones (compiled: after compiling), on the same bf16 inputs; a backend torch refuses for
 these inputs is reported as such. The many iterations are also the check for the crash once seen in a cuDNN
-attention backward (NOTES.md).
+attention backward (NOTES.md). `--flux-blocks` also runs a diffusers Flux double + single block at this width under
+each `train.attention` setting as the train stage applies it (the process's kernel order), eager and compiled:
+time, and how far the outputs and every gradient are from flash's.
 """
 
 from __future__ import annotations
