@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -130,18 +131,21 @@ def main() -> None:
     print(json.dumps(results))
 
 
-def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens: int, iters: int,
-                compiled: bool, device: str = "cuda") -> dict:
-    """A diffusers Flux double block then a single block (random init, bf16), forward + backward with the SDPA
-    kernel order the train stage sets for `train.attention` flash and cudnn (`use_attention_kernel`): seconds
-    per pass and, against flash, the largest difference in the outputs and in the gradients of the inputs and of
-    every weight (|a - b| / |b|, norms of the whole tensor). cuDNN's kernel gets the strided q/k/v views
-    diffusers' attention processor makes, and whatever layout of the output's gradient autograd (or the compiled
-    graph) hands back: a kernel that mishandled either would show here as a large difference."""
-    from diffusers.models.embeddings import FluxPosEmbed
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+class FluxBlocks(NamedTuple):
+    forward: Callable  # (image, text) -> image
+    gradients: Callable  # (image, text) -> {name: gradient}
+    zero_grad: Callable
+    image: torch.Tensor
+    text: torch.Tensor
+    grad: torch.Tensor  # of the output
 
-    from diffusion_pipe.train.pipeline import use_attention_kernel
+
+def flux_blocks_setup(batch: int, heads: int, dim: int, image_tokens: int, text_tokens: int, device: str = "cuda"):
+    """A diffusers Flux double block then a single block at this width (random init, seed 0, bf16) and inputs for
+    them. `gradients(image, text)` reads the inputs' and every weight's gradient after a backward; `zero_grad()`
+    clears the weights'."""
+    from diffusers.models.transformers.transformer_flux import (FluxPosEmbed, FluxSingleTransformerBlock,
+                                                                FluxTransformerBlock)
 
     width, dtype = heads * dim, torch.bfloat16
     torch.manual_seed(0)
@@ -163,40 +167,63 @@ def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens
         c, x = single(x, c, temb, rotary)
         return x
 
+    def gradients(x, c) -> dict:
+        return {"d image": x.grad, "d text": c.grad, **{f"double.{n}": p.grad for n, p in double.named_parameters()},
+                **{f"single.{n}": p.grad for n, p in single.named_parameters()}}
+
+    def zero_grad():
+        for p in (*double.parameters(), *single.parameters()):
+            p.grad = None
+
+    return FluxBlocks(forward, gradients, zero_grad, image, text, grad)
+
+
+def relative_differences(reference: dict, tensors: dict) -> dict:
+    """|a - b| / |b| per tensor (Frobenius norms, b the reference), over the tensors whose reference is not noise:
+    a key bias's gradient is near zero (softmax ignores a shift shared by every key), so its bf16 rounding would
+    rank first."""
+    norms = {n: reference[n].float().norm().item() for n in tensors}
+    return {n: (t.float() - reference[n].float()).norm().item() / norms[n] for n, t in tensors.items()
+            if norms[n] > 1e-3 * max(norms.values())}
+
+
+def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens: int, iters: int,
+                compiled: bool, device: str = "cuda") -> dict:
+    """The Flux double + single block of `flux_blocks_setup`, forward + backward with the SDPA kernel order the
+    train stage sets for `train.attention` flash and cudnn (`use_attention_kernel`): seconds per pass and, against
+    flash, the largest `relative_differences` in the outputs and in the gradients of the inputs and of every
+    weight. cuDNN's kernel gets the strided q/k/v views diffusers' attention processor makes, and whatever layout
+    of the output's gradient autograd (or the compiled graph) hands back: a kernel that mishandled either would
+    show here as a large difference."""
+    from diffusion_pipe.train.pipeline import use_attention_kernel
+
+    blocks = flux_blocks_setup(batch, heads, dim, image_tokens, text_tokens, device)
     out = {}
     for mode in ["eager"] + (["compiled"] if compiled else []):
         reference = None
         for kernel in ("flash", "cudnn"):
             use_attention_kernel(kernel)
-            fn = forward
+            fn = blocks.forward
             if mode == "compiled":
                 torch._dynamo.reset()
-                fn = torch.compile(forward)
+                fn = torch.compile(blocks.forward)
             times = []
             for i in range(iters + 3):
-                for p in (*double.parameters(), *single.parameters()):
-                    p.grad = None
-                x, c = image.detach().requires_grad_(), text.detach().requires_grad_()
+                blocks.zero_grad()
+                x, c = blocks.image.detach().requires_grad_(), blocks.text.detach().requires_grad_()
                 start = time.perf_counter()
                 y = fn(x, c)
-                y.backward(grad)
+                y.backward(blocks.grad)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 if i >= 3:
                     times.append(time.perf_counter() - start)
-            tensors = {"out": y.detach(), "d image": x.grad, "d text": c.grad,
-                       **{f"double.{n}": p.grad for n, p in double.named_parameters()},
-                       **{f"single.{n}": p.grad for n, p in single.named_parameters()}}
+            tensors = {"out": y.detach(), **blocks.gradients(x, c)}
             row = {"seconds": sorted(times)[len(times) // 2]}
             if reference is None:
                 reference = tensors
             else:
-                # |a - b| / |b| per tensor (Frobenius norms), over the tensors whose gradient is not noise: a key
-                # bias's gradient is near zero (softmax ignores a shift shared by every key), so its bf16 rounding
-                # would rank first
-                norms = {n: reference[n].float().norm().item() for n in tensors}
-                rel = {n: (t.float() - reference[n].float()).norm().item() / norms[n] for n, t in tensors.items()
-                       if norms[n] > 1e-3 * max(norms.values())}
+                rel = relative_differences(reference, tensors)
                 worst = max(rel, key=rel.get)
                 row.update(worst=worst, worst_relative_diff=rel[worst], out_relative_diff=rel["out"],
                            inputs_relative_diff=max(rel["d image"], rel["d text"]))
