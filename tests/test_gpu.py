@@ -94,3 +94,22 @@ def test_cudnn_attention_runs_and_gives_flash_attention_gradients(compiled):
     differences = relative_differences(flash, cudnn)
     assert {"out", "d image", "d text"} <= differences.keys()
     assert max(differences.values()) < 0.03, differences
+
+
+def test_safetensors_reach_the_gpu_through_pinned_buffers_unchanged(tmp_path):
+    """load_safetensors_to_device's CUDA path (pinned double buffer, side stream, chunks smaller than a tensor):
+    every tensor equal to safetensors' own load, usable on the default stream at once."""
+    from safetensors.torch import load_file, save_file
+
+    from diffusion_pipe.models.device_load import load_safetensors_to_device
+
+    gen = torch.Generator().manual_seed(0)
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"model-{i}.safetensors")
+        save_file({f"{i}.w": torch.randn(512, 1000, generator=gen).bfloat16(), f"{i}.b": torch.randn(3, generator=gen),
+                   f"{i}.n": torch.arange(5, dtype=torch.int8)}, files[-1])
+    loaded = load_safetensors_to_device(files, torch.device("cuda"), chunk_bytes=100_000)
+    for file in files:
+        for name, want in load_file(file).items():
+            assert loaded[name].is_cuda and torch.equal((loaded[name] * 1).cpu(), want * 1), name

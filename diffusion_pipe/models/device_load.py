@@ -1,0 +1,98 @@
+"""Safetensors files straight onto a CUDA device through pinned host memory: what a large text encoder's load waits
+for in an incremental encode (BENCHMARKS.md, Encode). Each file's bytes are read from disk (or the page cache) by
+several threads into one of two pinned buffers while the other one's bytes go to the device on a side stream, so
+reading and copying overlap; the tensors are views of one device allocation per file."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+# safetensors' dtype names (the format's spec) -> torch dtypes
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def load_safetensors_to_device(files: list[Path], device: torch.device, chunk_bytes: int = 256 << 20,
+                               readers: int = 4) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors `files` on `device`, in its stored dtype: a {name: tensor} dict. On a CUDA
+    device through two pinned buffers of `chunk_bytes` and a side stream; elsewhere the same reads, copied in
+    turn."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    views = [memoryview(b.numpy()) for b in buffers]
+    copied = [None, None]  # the event after each buffer's last copy to the device
+    stream = torch.cuda.Stream(device) if cuda else None
+    state: dict[str, torch.Tensor] = {}
+    turn = 0
+    with ThreadPoolExecutor(readers) as pool:
+        for path in files:
+            start, header = read_header(path)
+            size = max((t["data_offsets"][1] for t in header.values()), default=0)
+            data = torch.empty(size, dtype=torch.uint8, device=device)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for offset in range(0, size, len(views[0])):
+                    n = min(len(views[0]), size - offset)
+                    if copied[turn] is not None:
+                        copied[turn].synchronize()  # the buffer's bytes have left for the device
+                    _pread_into(pool, readers, fd, views[turn][:n], start + offset, path)
+                    if not cuda:
+                        data[offset:offset + n].copy_(buffers[turn][:n])
+                        continue
+                    with torch.cuda.stream(stream):
+                        data[offset:offset + n].copy_(buffers[turn][:n], non_blocking=True)
+                        copied[turn] = torch.cuda.Event()
+                        copied[turn].record(stream)
+                    turn ^= 1
+            finally:
+                os.close(fd)
+            if cuda:
+                data.record_stream(stream)
+            for name, info in header.items():
+                state[name] = _tensor_view(data, info)
+    if cuda:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return state
+
+
+def _pread_into(pool: ThreadPoolExecutor, readers: int, fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill `view` with the file's bytes from `offset`, `readers` slices read in parallel (preadv drops the GIL)."""
+    part = -(-len(view) // readers)
+
+    def read(begin: int) -> None:
+        end = min(begin + part, len(view))
+        while begin < end:
+            got = os.preadv(fd, [view[begin:end]], offset + begin)
+            if got == 0:
+                raise OSError(f"{path}: file ends before its safetensors header says (truncated or damaged)")
+            begin += got
+
+    list(pool.map(read, range(0, len(view), part)))
+
+
+def _tensor_view(data: torch.Tensor, info: dict) -> torch.Tensor:
+    """The tensor `info` describes, as a view of the file's bytes on the device (a copy where its offset is not a
+    multiple of its element size, which a view cannot express)."""
+    dtype = DTYPES[info["dtype"]]
+    begin, end = info["data_offsets"]
+    raw = data[begin:end]
+    if begin % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(info["shape"])

@@ -1,0 +1,71 @@
+"""load_safetensors_to_device: every tensor of safetensors files, read in chunks by several threads, equal to
+what safetensors itself loads (the CUDA path, pinned buffers and a side stream, is in tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffusion_pipe.models.device_load import load_safetensors_to_device
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(33, 17, generator=gen).bfloat16(), "b": torch.randn(5, generator=gen),
+            "ids": torch.randint(-9, 9, (11,), generator=gen, dtype=torch.int8),
+            "half": torch.randn(2, 3, 4, generator=gen).half(), "step": torch.tensor(7, dtype=torch.int64),
+            "empty": torch.empty(0, 4), "fp8": torch.randn(6, generator=gen).to(torch.float8_e4m3fn)}
+
+
+def assert_same(loaded: dict, reference: dict) -> None:
+    assert loaded.keys() == reference.keys()
+    for name, want in reference.items():
+        got = loaded[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("chunk_bytes,readers", [(1 << 20, 4), (64, 3), (7, 1), (100, 8)])
+def test_shards_load_as_safetensors_loads_them(tmp_path, chunk_bytes, readers):
+    files = []
+    reference = {}
+    for i in range(3):  # a sharded checkpoint: the state is the union of its files
+        shard = {f"shard{i}.{name}": t for name, t in tensors(i).items()}
+        save_file(shard, tmp_path / f"model-{i}.safetensors", metadata={"format": "pt"})
+        files.append(tmp_path / f"model-{i}.safetensors")
+        reference |= load_file(files[-1])
+    assert_same(load_safetensors_to_device(files, torch.device("cpu"), chunk_bytes, readers), reference)
+
+
+def write_by_hand(path, entries: list[tuple[str, str, list[int], bytes]], data_tail: bytes = b"") -> None:
+    """A safetensors file laid out in the given order (safetensors itself sorts by alignment)."""
+    header, offset, data = {}, 0, b""
+    for name, dtype, shape, raw in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset, data = offset + len(raw), data + raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data + data_tail)
+
+
+def test_a_tensor_at_an_offset_its_dtype_cannot_view_is_copied(tmp_path):
+    """Three int8 bytes first put the bf16 tensor at an odd offset: a view of the file's bytes cannot express it."""
+    weight = torch.randn(4, 3).bfloat16()
+    write_by_hand(tmp_path / "odd.safetensors", [("ids", "I8", [3], bytes([1, 2, 255])),
+                                                 ("weight", "BF16", [4, 3], weight.view(torch.uint8).numpy().tobytes())])
+    loaded = load_safetensors_to_device([tmp_path / "odd.safetensors"], torch.device("cpu"), chunk_bytes=5)
+    assert loaded["ids"].tolist() == [1, 2, -1]
+    assert torch.equal(loaded["weight"], weight)
+    assert torch.equal(loaded["weight"], load_file(tmp_path / "odd.safetensors")["weight"])
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    save_file(tensors(0), tmp_path / "whole.safetensors")
+    raw = (tmp_path / "whole.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[:-10])
+    with pytest.raises(OSError, match="cut.safetensors.*truncated"):
+        load_safetensors_to_device([tmp_path / "cut.safetensors"], torch.device("cpu"), chunk_bytes=64)
