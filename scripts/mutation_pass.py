@@ -661,6 +661,18 @@ MUTATIONS: list[Mutation] = [
              '"save_lora_every_steps", "swap_prefetch", "attention")', '"save_lora_every_steps", "swap_prefetch")',
              ("tests/train/test_resume_identity.py",),
              "switching the attention kernel (or upgrading to a version with train.attention) restarts the run"),
+    Mutation("device-load-header-offset", "diffusion_pipe/models/device_load.py",
+             "views[turn][:n], start + offset, path)", "views[turn][:n], offset, path)",
+             ("tests/models/test_device_load.py",),
+             "the tensors are read from the file's start, header included, instead of its data section"),
+    Mutation("device-load-misaligned-view", "diffusion_pipe/models/device_load.py",
+             "    if begin % dtype.itemsize:\n        raw = raw.clone()\n", "",
+             ("tests/models/test_device_load.py",),
+             "a tensor at an offset its dtype cannot view fails to load"),
+    Mutation("device-load-reader-slice", "diffusion_pipe/models/device_load.py",
+             "os.preadv(fd, [view[begin:end]], offset + begin)", "os.preadv(fd, [view[begin:end]], offset)",
+             ("tests/models/test_device_load.py",),
+             "every reader thread reads the chunk's first bytes"),
 ]
 
 
