@@ -673,6 +673,10 @@ MUTATIONS: list[Mutation] = [
              "os.preadv(fd, [view[begin:end]], offset + begin)", "os.preadv(fd, [view[begin:end]], offset)",
              ("tests/models/test_device_load.py",),
              "every reader thread reads the chunk's first bytes"),
+    Mutation("attention-check-counts-noise", "bench/bench_attention.py",
+             "            if norms[n] > 1e-3 * max(norms.values())}", "            }",
+             ("tests/test_bench.py",),
+             "the cuDNN gradient check ranks a key bias's rounding noise first and fails on it"),
 ]
 
 

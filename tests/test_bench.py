@@ -67,3 +67,32 @@ def test_a_failed_runs_row_names_the_exception_not_the_warnings_after_it():
     assert bench_family._reason(stderr) == "RuntimeError: Autograd not support dtype: Int"
     assert bench_family._reason(stderr.replace("RuntimeError: Autograd", "torch.OutOfMemoryError: CUDA")) == "OOM"
     assert bench_family._reason("no exception here\nlast line") == "last line"
+
+
+def test_the_gradient_comparison_of_the_attention_check_is_relative_and_ignores_noise():
+    """bench_attention.relative_differences, which the GPU test of train.attention: cudnn holds to 3%: |a - b| / |b|
+    per tensor, leaving out a reference whose norm is noise next to the largest (a key bias's gradient)."""
+    import torch
+    from bench_attention import relative_differences
+
+    reference = {"out": torch.ones(4) * 10, "dq": torch.ones(4), "key bias": torch.full((4,), 1e-5)}
+    other = {"out": torch.ones(4) * 10, "dq": torch.ones(4) * 1.1, "key bias": torch.full((4,), -1e-5)}
+    differences = relative_differences(reference, other)
+    assert differences.keys() == {"out", "dq"}
+    assert differences["out"] == 0 and differences["dq"] == pytest.approx(0.1)
+
+
+def test_the_flux_blocks_of_the_attention_check_build_and_backpropagate_on_the_cpu():
+    import torch
+    from bench_attention import flux_blocks_setup
+
+    blocks = flux_blocks_setup(1, 2, 16, 16, 4, device="cpu")
+    x, c = blocks.image.detach().requires_grad_(), blocks.text.detach().requires_grad_()
+    out = blocks.forward(x, c)
+    assert out.shape == blocks.image.shape == blocks.grad.shape
+    out.backward(blocks.grad)
+    grads = blocks.gradients(x, c)
+    assert grads["d image"].shape == x.shape and grads["d text"].shape == c.shape
+    assert len(grads) > 20 and all(g is not None for g in grads.values())
+    blocks.zero_grad()
+    assert all(g is None for name, g in blocks.gradients(x, c).items() if not name.startswith("d "))
