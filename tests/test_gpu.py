@@ -97,11 +97,12 @@ def test_cudnn_attention_runs_and_gives_flash_attention_gradients(compiled):
 
 
 def test_safetensors_reach_the_gpu_through_pinned_buffers_unchanged(tmp_path):
-    """load_safetensors_to_device's CUDA path (pinned double buffer, side stream, chunks smaller than a tensor):
-    every tensor equal to safetensors' own load, usable on the default stream at once."""
+    """load_safetensors_to_device's CUDA path (pinned double buffer, side stream, chunks smaller than a tensor, a
+    tensor copied out of the file's bytes on the default stream): every tensor equal to safetensors' own load."""
     from safetensors.torch import load_file, save_file
 
     from diffusion_pipe.models.device_load import load_safetensors_to_device
+    from tests.models.test_device_load import write_by_hand
 
     gen = torch.Generator().manual_seed(0)
     files = []
@@ -109,6 +110,10 @@ def test_safetensors_reach_the_gpu_through_pinned_buffers_unchanged(tmp_path):
         files.append(tmp_path / f"model-{i}.safetensors")
         save_file({f"{i}.w": torch.randn(512, 1000, generator=gen).bfloat16(), f"{i}.b": torch.randn(3, generator=gen),
                    f"{i}.n": torch.arange(5, dtype=torch.int8)}, files[-1])
+    weight = torch.randn(300, 70, generator=gen).bfloat16()  # at an odd offset: copied on the device, not viewed
+    files.append(tmp_path / "odd.safetensors")
+    write_by_hand(files[-1], [("ids", "I8", [3], bytes([1, 2, 255])),
+                              ("weight", "BF16", [300, 70], weight.view(torch.uint8).numpy().tobytes())])
     loaded = load_safetensors_to_device(files, torch.device("cuda"), chunk_bytes=100_000)
     for file in files:
         for name, want in load_file(file).items():

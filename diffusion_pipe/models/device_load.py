@@ -46,6 +46,8 @@ def load_safetensors_to_device(files: list[Path], device: torch.device, chunk_by
             start, header = read_header(path)
             size = max((t["data_offsets"][1] for t in header.values()), default=0)
             data = torch.empty(size, dtype=torch.uint8, device=device)
+            if cuda:  # the side stream writes it after whatever last used its memory on the default stream
+                stream.wait_stream(torch.cuda.current_stream(device))
             fd = os.open(path, os.O_RDONLY)
             try:
                 for offset in range(0, size, len(views[0])):
@@ -63,12 +65,13 @@ def load_safetensors_to_device(files: list[Path], device: torch.device, chunk_by
                     turn ^= 1
             finally:
                 os.close(fd)
-            if cuda:
+            if cuda:  # a misaligned tensor's copy (_tensor_view) runs on the default stream, after the bytes
                 data.record_stream(stream)
+                torch.cuda.current_stream(device).wait_stream(stream)
             for name, info in header.items():
                 state[name] = _tensor_view(data, info)
     if cuda:
-        torch.cuda.current_stream(device).wait_stream(stream)
+        stream.synchronize()  # the pinned buffers are free again when they are dropped
     return state
 
 
