@@ -5,27 +5,23 @@ reading and copying overlap; the tensors are views of one device allocation per 
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-# safetensors' dtype names (the format's spec) -> torch dtypes
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+from diffusion_pipe.models.checkpoints import SAFETENSORS_DTYPES
+from diffusion_pipe.store import pack
 
 
 def read_header(path: Path) -> tuple[int, dict]:
     """(byte offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return 8 + length, header
+    try:
+        header, start = pack.read_header(path)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc} (not a whole safetensors file)") from exc
+    return start, header
 
 
 def load_safetensors_to_device(files: list[Path], device: torch.device, chunk_bytes: int = 256 << 20,
@@ -93,7 +89,7 @@ def _pread_into(pool: ThreadPoolExecutor, readers: int, fd: int, view: memoryvie
 def _tensor_view(data: torch.Tensor, info: dict) -> torch.Tensor:
     """The tensor `info` describes, as a view of the file's bytes on the device (a copy where its offset is not a
     multiple of its element size, which a view cannot express)."""
-    dtype = DTYPES[info["dtype"]]
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
     begin, end = info["data_offsets"]
     raw = data[begin:end]
     if begin % dtype.itemsize:

@@ -41,7 +41,7 @@ def test_shards_load_as_safetensors_loads_them(tmp_path, chunk_bytes, readers):
     assert_same(load_safetensors_to_device(files, torch.device("cpu"), chunk_bytes, readers), reference)
 
 
-def write_by_hand(path, entries: list[tuple[str, str, list[int], bytes]], data_tail: bytes = b"") -> None:
+def write_by_hand(path, entries: list[tuple[str, str, list[int], bytes]]) -> None:
     """A safetensors file laid out in the given order (safetensors itself sorts by alignment)."""
     header, offset, data = {}, 0, b""
     for name, dtype, shape, raw in entries:
@@ -49,7 +49,7 @@ def write_by_hand(path, entries: list[tuple[str, str, list[int], bytes]], data_t
         offset, data = offset + len(raw), data + raw
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data + data_tail)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
 def test_a_tensor_at_an_offset_its_dtype_cannot_view_is_copied(tmp_path):
