@@ -7,7 +7,9 @@ Encode: loading T5-XXL is most of a 1%-changed run).
 Each method runs in a fresh process (the weights' pages are in the page cache, as in an incremental run that
 follows a full one) and reports seconds from the start of the load until the weights are on the device:
   cuda-init      creating the CUDA context alone (every other method pays it too, first)
-  component      the encode stage's `load_component`: `from_pretrained` to host memory, then `.to(device)`
+  host           `from_pretrained` to host memory, then `.to(device)` (the encode stage's load before
+                 `load_component` took the pinned path below for large transformers encoders)
+  component      the encode stage's `load_component` as it is now
   device-map     `from_pretrained(..., device_map=device)`
   safetensors    `safetensors.torch.load_file(shard, device=device)` for each shard (no model built)
   pinned         the shards' bytes copied into two pinned host buffers in turn, each sent to the device
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METHODS = ("cuda-init", "component", "device-map", "safetensors", "pinned", "pinned-read", "pinned-model")
+METHODS = ("cuda-init", "host", "component", "device-map", "safetensors", "pinned", "pinned-read", "pinned-model")
 
 
 def pinned_stream(files: list[Path], device, chunk_bytes: int = 512 << 20) -> int:
@@ -74,7 +76,11 @@ def measure(method: str, model_dir: Path) -> dict:
     t5 = model_dir / "text_encoder_2"
     shards = sorted(t5.glob("*.safetensors"))
     started = time.perf_counter()
-    if method == "component":
+    if method == "host":
+        from transformers import T5EncoderModel
+
+        T5EncoderModel.from_pretrained(t5, dtype=torch.bfloat16).to(device)
+    elif method == "component":
         from transformers import T5EncoderModel
 
         from diffusion_pipe.models.common import load_component

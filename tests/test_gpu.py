@@ -118,3 +118,25 @@ def test_safetensors_reach_the_gpu_through_pinned_buffers_unchanged(tmp_path):
     for file in files:
         for name, want in load_file(file).items():
             assert loaded[name].is_cuda and torch.equal((loaded[name] * 1).cpu(), want * 1), name
+
+
+def test_a_large_text_encoder_loaded_through_pinned_memory_is_the_one_from_pretrained_loads(tmp_path, monkeypatch):
+    """load_component's pinned path (every size let through) gives the model from_pretrained gives: same weights,
+    tied embedding, same output on the GPU."""
+    from transformers import T5Config, T5EncoderModel
+
+    from diffusion_pipe.models import common
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+    T5EncoderModel(config).bfloat16().save_pretrained(tmp_path, max_shard_size="100KB")
+    monkeypatch.setattr(common, "PINNED_LOAD_MIN_BYTES", 0)
+    assert len(common.pinned_load_shards(T5EncoderModel, tmp_path, torch.bfloat16, torch.device("cuda"))) > 1
+    pinned = common.load_component(T5EncoderModel, tmp_path, torch.bfloat16, torch.device("cuda"))
+    reference = T5EncoderModel.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    assert pinned.dtype == torch.bfloat16 and not pinned.training
+    assert pinned.shared.weight.data_ptr() == pinned.encoder.embed_tokens.weight.data_ptr()
+    for (name, got), (_, want) in zip(pinned.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert got.is_cuda and torch.equal(got, want), name
+    ids = torch.randint(0, 64, (2, 9), device="cuda")
+    assert torch.equal(pinned(ids).last_hidden_state, reference(ids).last_hidden_state)

@@ -62,10 +62,49 @@ def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch
     single = read_single_file_marker(directory)
     if single is not None:
         module = load_single_file_component(cls, directory, single, dtype)
+    elif shards := pinned_load_shards(cls, directory, dtype, device):
+        from transformers import AutoConfig
+
+        from diffusion_pipe.models.device_load import load_safetensors_to_device
+
+        config = getattr(cls, "config_class", None) or AutoConfig
+        module = cls.from_pretrained(None, config=config.from_pretrained(directory),
+                                     state_dict=load_safetensors_to_device(shards, device), dtype=dtype,
+                                     device_map=device)
     else:
         module = cls.from_pretrained(directory, torch_dtype=dtype)
     module.requires_grad_(False)
     return module.eval().to(device)
+
+
+PINNED_LOAD_MIN_BYTES = 1 << 30
+
+
+def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> list[Path]:
+    """The safetensors shards of a transformers model to load straight onto a CUDA `device` through pinned memory
+    (diffusion_pipe.models.device_load: BENCHMARKS.md, Encode), or [] where `from_pretrained` to host memory is
+    kept: another device, a diffusers model, under PINNED_LOAD_MIN_BYTES, or a floating-point tensor stored in
+    another dtype than `dtype` (converting on the device would hold both copies there at once)."""
+    import json
+
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    from diffusion_pipe.models.device_load import read_header
+
+    if torch.device(device).type != "cuda" or not issubclass(cls, (PreTrainedModel, _BaseAutoModelClass)):
+        return []
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        shards = [directory / "model.safetensors"]
+    if not all(shard.is_file() for shard in shards) or sum(s.stat().st_size for s in shards) < PINNED_LOAD_MIN_BYTES:
+        return []
+    stored = {info["dtype"] for shard in shards for info in read_header(shard)[1].values()}
+    floating = {name for name in stored if name.startswith(("F", "BF"))}
+    wanted = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
+    return shards if floating <= {wanted} else []
 
 
 HUB_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*/*"]  # fnmatch: '*' spans folders too

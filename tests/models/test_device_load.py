@@ -69,3 +69,37 @@ def test_a_truncated_file_is_named(tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(raw[:-10])
     with pytest.raises(OSError, match="cut.safetensors.*truncated"):
         load_safetensors_to_device([tmp_path / "cut.safetensors"], torch.device("cpu"), chunk_bytes=64)
+
+
+def tiny_t5(directory, dtype=torch.bfloat16, max_shard_size=None):
+    from transformers import T5Config, T5EncoderModel
+
+    model = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return T5EncoderModel
+
+
+def test_large_transformers_weights_stored_in_the_asked_dtype_go_through_pinned_memory(tmp_path, monkeypatch):
+    """The shards load_component streams to a CUDA device: all of them (a sharded checkpoint's index names them),
+    and only where that is a win and safe; every other case keeps from_pretrained to host memory."""
+    from diffusers import AutoencoderKL
+
+    from diffusion_pipe.models import common
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cls = tiny_t5(tmp_path / "one")
+    tiny_t5(tmp_path / "sharded", max_shard_size="20KB")
+    tiny_t5(tmp_path / "float32", torch.float32)
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 1
+    assert common.pinned_load_shards(cls, tmp_path / "one", torch.bfloat16, cuda) == []  # under 1 GiB
+    monkeypatch.setattr(common, "PINNED_LOAD_MIN_BYTES", 0)
+    assert common.pinned_load_shards(cls, tmp_path / "one", torch.bfloat16, cuda) == [
+        tmp_path / "one/model.safetensors"]
+    assert common.pinned_load_shards(cls, tmp_path / "sharded", torch.bfloat16, cuda) == shards
+    assert common.pinned_load_shards(cls, tmp_path / "one", torch.bfloat16, cpu) == []
+    assert common.pinned_load_shards(cls, tmp_path / "one", torch.float16, cuda) == []  # would convert on the GPU
+    assert common.pinned_load_shards(cls, tmp_path / "float32", torch.bfloat16, cuda) == []
+    assert common.pinned_load_shards(AutoencoderKL, tmp_path / "one", torch.bfloat16, cuda) == []
+    (tmp_path / "sharded" / shards[0].name).unlink()  # a shard the index names is missing: from_pretrained says so
+    assert common.pinned_load_shards(cls, tmp_path / "sharded", torch.bfloat16, cuda) == []
