@@ -4,8 +4,9 @@ Encode: loading T5-XXL is most of a 1%-changed run).
     python bench/bench_load.py --work W          # writes a Flux-layout model with real-size CLIP-L and T5-XXL
                                                  # (random init, bf16; bench_encode.build_flux_encoders) once
 
-Each method runs in a fresh process (the weights' pages are in the page cache, as in an incremental run that
-follows a full one) and reports seconds from the start of the load until the weights are on the device:
+Each method runs in a fresh process, its imports done before the clock starts (as in the encode stage), with the
+weights' pages in the page cache (as in an incremental run that follows a full one), and reports seconds from the
+start of the load until the weights are on the device:
   cuda-init      creating the CUDA context alone (every other method pays it too, first)
   host           `from_pretrained` to host memory, then `.to(device)` (the encode stage's load before
                  `load_component` took the pinned path below for large transformers encoders)
@@ -16,8 +17,10 @@ follows a full one) and reports seconds from the start of the load until the wei
                  asynchronously while the other fills (no model built)
   pinned-read    the library's `load_safetensors_to_device`: the same with the shards read by 4 threads
                  (pread) instead of one copy from a memory map (no model built)
-  pinned-model   `load_safetensors_to_device`, then the model built around those tensors:
-                 `from_pretrained(None, config=..., state_dict=..., device_map=device)`
+  pinned-model   `load_safetensors_to_device`, then the model built around those tensors without copying them
+                 (`common.model_around`: parameters on the meta device, then assigned)
+  pinned-state-dict  the same tensors given to `from_pretrained(None, config=..., state_dict=...,
+                 device_map=device)`, which initialises the model before loading them
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METHODS = ("cuda-init", "host", "component", "device-map", "safetensors", "pinned", "pinned-read", "pinned-model")
+METHODS = ("cuda-init", "host", "component", "device-map", "safetensors", "pinned", "pinned-read", "pinned-model",
+           "pinned-state-dict")
 
 
 def pinned_stream(files: list[Path], device, chunk_bytes: int = 512 << 20) -> int:
@@ -68,6 +72,11 @@ def pinned_stream(files: list[Path], device, chunk_bytes: int = 512 << 20) -> in
 def measure(method: str, model_dir: Path) -> dict:
     import torch
 
+    from transformers import AutoConfig, T5EncoderModel  # imported before the clock: the encode stage has them
+
+    from diffusion_pipe.models.common import load_component, model_around
+    from diffusion_pipe.models.device_load import load_safetensors_to_device
+
     device = torch.device("cuda")
     started = time.perf_counter()
     torch.empty(1, device=device)
@@ -77,18 +86,10 @@ def measure(method: str, model_dir: Path) -> dict:
     shards = sorted(t5.glob("*.safetensors"))
     started = time.perf_counter()
     if method == "host":
-        from transformers import T5EncoderModel
-
         T5EncoderModel.from_pretrained(t5, dtype=torch.bfloat16).to(device)
     elif method == "component":
-        from transformers import T5EncoderModel
-
-        from diffusion_pipe.models.common import load_component
-
         load_component(T5EncoderModel, t5, torch.bfloat16, device)
     elif method == "device-map":
-        from transformers import T5EncoderModel
-
         T5EncoderModel.from_pretrained(t5, torch_dtype=torch.bfloat16, device_map=device)
     elif method == "safetensors":
         from safetensors.torch import load_file
@@ -98,17 +99,13 @@ def measure(method: str, model_dir: Path) -> dict:
     elif method == "pinned":
         pinned_stream(shards, device)
     elif method == "pinned-read":
-        from diffusion_pipe.models.device_load import load_safetensors_to_device
-
         load_safetensors_to_device(shards, device)
     elif method == "pinned-model":
-        from transformers import AutoConfig, T5EncoderModel
-
-        from diffusion_pipe.models.device_load import load_safetensors_to_device
-
         state = load_safetensors_to_device(shards, device)
-        T5EncoderModel.from_pretrained(None, config=AutoConfig.from_pretrained(t5), state_dict=state,
-                                       dtype=torch.bfloat16, device_map=device)
+        assert model_around(T5EncoderModel, AutoConfig.from_pretrained(t5), state) is not None
+    elif method == "pinned-state-dict":
+        T5EncoderModel.from_pretrained(None, config=AutoConfig.from_pretrained(t5), dtype=torch.bfloat16,
+                                       state_dict=load_safetensors_to_device(shards, device), device_map=device)
     torch.cuda.synchronize()
     size = sum(s.stat().st_size for s in shards)
     return {"method": method, "cuda_init_s": init, "load_s": time.perf_counter() - started, "bytes": size,

@@ -67,10 +67,10 @@ def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch
 
         from diffusion_pipe.models.device_load import load_safetensors_to_device
 
-        config = getattr(cls, "config_class", None) or AutoConfig
-        module = cls.from_pretrained(None, config=config.from_pretrained(directory),
-                                     state_dict=load_safetensors_to_device(shards, device), dtype=dtype,
-                                     device_map=device)
+        config = (getattr(cls, "config_class", None) or AutoConfig).from_pretrained(directory)
+        state = load_safetensors_to_device(shards, device)
+        module = model_around(cls, config, state) or cls.from_pretrained(
+            None, config=config, state_dict=state, dtype=dtype, device_map=device)
     else:
         module = cls.from_pretrained(directory, torch_dtype=dtype)
     module.requires_grad_(False)
@@ -105,6 +105,25 @@ def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: t
     floating = {name for name in stored if name.startswith(("F", "BF"))}
     wanted = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
     return shards if floating <= {wanted} else []
+
+
+def model_around(cls: type, config, state: dict[str, torch.Tensor]) -> nn.Module | None:
+    """The transformers model `cls` of `config` whose parameters are the tensors of `state` themselves (no copy,
+    no random init: built with its parameters on the meta device, then assigned; tied weights tied; buffers the
+    model computes, such as rotary frequencies, built on the host as usual), or None where the checkpoint does not
+    give every parameter as it is named (a renamed key): `from_pretrained(state_dict=...)` then builds it, at the
+    cost of initialising it first."""
+    from accelerate import init_empty_weights
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config) if issubclass(cls, _BaseAutoModelClass) else cls(config)
+    if model.load_state_dict(state, strict=False, assign=True).unexpected_keys:
+        return None
+    model.tie_weights()
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return None
+    return model
 
 
 HUB_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*/*"]  # fnmatch: '*' spans folders too

@@ -103,3 +103,38 @@ def test_large_transformers_weights_stored_in_the_asked_dtype_go_through_pinned_
     assert common.pinned_load_shards(AutoencoderKL, tmp_path / "one", torch.bfloat16, cuda) == []
     (tmp_path / "sharded" / shards[0].name).unlink()  # a shard the index names is missing: from_pretrained says so
     assert common.pinned_load_shards(cls, tmp_path / "sharded", torch.bfloat16, cuda) == []
+
+
+@pytest.mark.parametrize("family", ["t5", "qwen2", "clip"])
+def test_a_model_built_around_loaded_tensors_is_the_one_from_pretrained_loads(tmp_path, family):
+    """model_around: the checkpoint's tensors become the parameters themselves (no copy), tied weights stay tied,
+    buffers the model computes (rotary frequencies, position ids) are there, and the output is from_pretrained's;
+    a checkpoint whose names do not match the model's gives None (from_pretrained's own path then)."""
+    from safetensors.torch import load_file
+    from transformers import (AutoConfig, CLIPTextConfig, CLIPTextModel, Qwen2Config, Qwen2Model, T5Config,
+                              T5EncoderModel)
+
+    from diffusion_pipe.models.common import model_around
+
+    cls, config = {
+        "t5": (T5EncoderModel, T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+        "qwen2": (Qwen2Model, Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)),
+        "clip": (CLIPTextModel, CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                                               bos_token_id=0, eos_token_id=1)),
+    }[family]
+    torch.manual_seed(0)
+    cls(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    built = model_around(cls, AutoConfig.from_pretrained(tmp_path), state)
+    reference = cls.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert built is not None and built.dtype == torch.bfloat16
+    assert all(p.data_ptr() == state[name].data_ptr() for name, p in built.named_parameters() if name in state)
+    if family == "t5":
+        assert built.shared.weight is built.encoder.embed_tokens.weight
+    assert built.state_dict().keys() == reference.state_dict().keys()
+    ids = torch.randint(2, 64, (2, 9))
+    assert torch.equal(built.eval()(ids).last_hidden_state, reference(ids).last_hidden_state)
+    renamed = {f"model.{name}": tensor for name, tensor in state.items()}
+    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), renamed) is None
