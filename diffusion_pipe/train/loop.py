@@ -64,6 +64,12 @@ def schedule_warnings(train: TrainParams) -> list[str]:
     if train.warmup_steps >= train.steps:
         warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
                         "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
+    if train.attention == "cudnn":
+        warnings.append("train.attention: cudnn is experimental and not recommended: a compiled Flux-dev step was "
+                        "no faster with it than with flash on an H200 (0.396 against 0.381 s), and its GPU check "
+                        "hit a CUDA illegal memory access there (torch 2.11; BENCHMARKS.md, Train); set "
+                        "attention: flash unless you have measured it on your card with "
+                        "`bash scripts/test.sh -m gpu -k cudnn`")
     return warnings
 
 

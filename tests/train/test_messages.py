@@ -16,6 +16,12 @@ def test_warmup_at_least_steps_is_warned_about():
     assert schedule_warnings(TrainParams(steps=11, warmup_steps=10)) == []
 
 
+def test_the_cudnn_attention_kernel_is_warned_about():
+    (warning,) = schedule_warnings(TrainParams(steps=11, attention="cudnn"))
+    assert "train.attention: cudnn" in warning and "attention: flash" in warning
+    assert schedule_warnings(TrainParams(steps=11, attention="flash")) == []
+
+
 def test_train_stage_warns_and_shows_eval_progress(tmp_path):
     store = tmp_path / "store"
     edits = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 2"}
