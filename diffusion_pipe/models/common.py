@@ -112,14 +112,13 @@ def model_around(cls: type, config, state: dict[str, torch.Tensor]) -> nn.Module
     no random init: built with its parameters on the meta device, then assigned; tied weights tied; buffers the
     model computes, such as rotary frequencies, built on the host as usual), or None where the checkpoint does not
     give every parameter as it is named (a renamed key): `from_pretrained(state_dict=...)` then builds it, at the
-    cost of initialising it first."""
+    cost of initialising it first. Keys the model has no place for are ignored, as `from_pretrained` does."""
     from accelerate import init_empty_weights
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config) if issubclass(cls, _BaseAutoModelClass) else cls(config)
-    if model.load_state_dict(state, strict=False, assign=True).unexpected_keys:
-        return None
+    model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return None

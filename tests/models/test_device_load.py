@@ -109,7 +109,8 @@ def test_large_transformers_weights_stored_in_the_asked_dtype_go_through_pinned_
 def test_a_model_built_around_loaded_tensors_is_the_one_from_pretrained_loads(tmp_path, family):
     """model_around: the checkpoint's tensors become the parameters themselves (no copy), tied weights stay tied,
     buffers the model computes (rotary frequencies, position ids) are there, and the output is from_pretrained's;
-    a checkpoint whose names do not match the model's gives None (from_pretrained's own path then)."""
+    a checkpoint whose names do not match the model's gives None (from_pretrained's own path then); one with keys
+    the model has no place for is built, as from_pretrained builds it."""
     from safetensors.torch import load_file
     from transformers import (AutoConfig, CLIPTextConfig, CLIPTextModel, Qwen2Config, Qwen2Model, T5Config,
                               T5EncoderModel)
@@ -138,3 +139,5 @@ def test_a_model_built_around_loaded_tensors_is_the_one_from_pretrained_loads(tm
     assert torch.equal(built.eval()(ids).last_hidden_state, reference(ids).last_hidden_state)
     renamed = {f"model.{name}": tensor for name, tensor in state.items()}
     assert model_around(cls, AutoConfig.from_pretrained(tmp_path), renamed) is None
+    extra = state | {"decoder.unused.weight": torch.zeros(2)}  # ignored, as from_pretrained ignores it
+    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), extra) is not None
