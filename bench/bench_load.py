@@ -102,7 +102,7 @@ def measure(method: str, model_dir: Path) -> dict:
         load_safetensors_to_device(shards, device)
     elif method == "pinned-model":
         state = load_safetensors_to_device(shards, device)
-        assert model_around(T5EncoderModel, AutoConfig.from_pretrained(t5), state) is not None
+        assert model_around(T5EncoderModel, AutoConfig.from_pretrained(t5), state, torch.bfloat16) is not None
     elif method == "pinned-state-dict":
         T5EncoderModel.from_pretrained(None, config=AutoConfig.from_pretrained(t5), dtype=torch.bfloat16,
                                        state_dict=load_safetensors_to_device(shards, device), device_map=device)

@@ -69,7 +69,7 @@ def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch
 
         config = (getattr(cls, "config_class", None) or AutoConfig).from_pretrained(directory)
         state = load_safetensors_to_device(shards, device)
-        module = model_around(cls, config, state) or cls.from_pretrained(
+        module = model_around(cls, config, state, dtype) or cls.from_pretrained(
             None, config=config, state_dict=state, dtype=dtype, device_map=device)
     else:
         module = cls.from_pretrained(directory, torch_dtype=dtype)
@@ -107,17 +107,22 @@ def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: t
     return shards if floating <= {wanted} else []
 
 
-def model_around(cls: type, config, state: dict[str, torch.Tensor]) -> nn.Module | None:
-    """The transformers model `cls` of `config` whose parameters are the tensors of `state` themselves (no copy,
-    no random init: built with its parameters on the meta device, then assigned; tied weights tied; buffers the
-    model computes, such as rotary frequencies, built on the host as usual), or None where the checkpoint does not
-    give every parameter as it is named (a renamed key): `from_pretrained(state_dict=...)` then builds it, at the
-    cost of initialising it first. Keys the model has no place for are ignored, as `from_pretrained` does."""
+def model_around(cls: type, config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module | None:
+    """The transformers model `cls` of `config` in `dtype` whose parameters are the tensors of `state` (in `dtype`)
+    themselves (no copy, no random init: built with its parameters on the meta device, then assigned; tied weights
+    tied; buffers the model computes, such as rotary frequencies, built on the host as usual), or None where that
+    is not the model `from_pretrained` gives: a parameter the checkpoint does not name as the model does (a renamed
+    key), or modules transformers keeps in float32 in `dtype` (T5's `wo` in float16, where it would overflow).
+    `from_pretrained(state_dict=...)` then builds it, at the cost of initialising it first. Keys the model has no
+    place for are ignored, as `from_pretrained` ignores them."""
     from accelerate import init_empty_weights
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config) if issubclass(cls, _BaseAutoModelClass) else cls(config)
+    if (model._keep_in_fp32_modules and dtype == torch.float16) or (
+            model._keep_in_fp32_modules_strict and dtype in (torch.float16, torch.bfloat16)):
+        return None  # transformers' dtype plan (PreTrainedModel._get_dtype_plan)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):

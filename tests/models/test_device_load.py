@@ -55,8 +55,8 @@ def write_by_hand(path, entries: list[tuple[str, str, list[int], bytes]]) -> Non
 def test_a_tensor_at_an_offset_its_dtype_cannot_view_is_copied(tmp_path):
     """Three int8 bytes first put the bf16 tensor at an odd offset: a view of the file's bytes cannot express it."""
     weight = torch.randn(4, 3).bfloat16()
-    write_by_hand(tmp_path / "odd.safetensors", [("ids", "I8", [3], bytes([1, 2, 255])),
-                                                 ("weight", "BF16", [4, 3], weight.view(torch.uint8).numpy().tobytes())])
+    raw = weight.view(torch.uint8).numpy().tobytes()
+    write_by_hand(tmp_path / "odd.safetensors", [("ids", "I8", [3], bytes([1, 2, 255])), ("weight", "BF16", [4, 3], raw)])
     loaded = load_safetensors_to_device([tmp_path / "odd.safetensors"], torch.device("cpu"), chunk_bytes=5)
     assert loaded["ids"].tolist() == [1, 2, -1]
     assert torch.equal(loaded["weight"], weight)
@@ -109,8 +109,9 @@ def test_large_transformers_weights_stored_in_the_asked_dtype_go_through_pinned_
 def test_a_model_built_around_loaded_tensors_is_the_one_from_pretrained_loads(tmp_path, family):
     """model_around: the checkpoint's tensors become the parameters themselves (no copy), tied weights stay tied,
     buffers the model computes (rotary frequencies, position ids) are there, and the output is from_pretrained's;
-    a checkpoint whose names do not match the model's gives None (from_pretrained's own path then); one with keys
-    the model has no place for is built, as from_pretrained builds it."""
+    a checkpoint whose names do not match the model's, or a dtype in which transformers keeps some modules in
+    float32 (T5 in float16), gives None (from_pretrained's own path then); one with keys the model has no place for
+    is built, as from_pretrained builds it."""
     from safetensors.torch import load_file
     from transformers import (AutoConfig, CLIPTextConfig, CLIPTextModel, Qwen2Config, Qwen2Model, T5Config,
                               T5EncoderModel)
@@ -128,16 +129,18 @@ def test_a_model_built_around_loaded_tensors_is_the_one_from_pretrained_loads(tm
     torch.manual_seed(0)
     cls(config).to(torch.bfloat16).save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    built = model_around(cls, AutoConfig.from_pretrained(tmp_path), state)
+    built = model_around(cls, AutoConfig.from_pretrained(tmp_path), state, torch.bfloat16)
     reference = cls.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     assert built is not None and built.dtype == torch.bfloat16
     assert all(p.data_ptr() == state[name].data_ptr() for name, p in built.named_parameters() if name in state)
     if family == "t5":
         assert built.shared.weight is built.encoder.embed_tokens.weight
+        half = {name: tensor.half() for name, tensor in state.items()}  # from_pretrained keeps `wo` in float32
+        assert model_around(cls, AutoConfig.from_pretrained(tmp_path), half, torch.float16) is None
     assert built.state_dict().keys() == reference.state_dict().keys()
     ids = torch.randint(2, 64, (2, 9))
     assert torch.equal(built.eval()(ids).last_hidden_state, reference(ids).last_hidden_state)
     renamed = {f"model.{name}": tensor for name, tensor in state.items()}
-    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), renamed) is None
+    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), renamed, torch.bfloat16) is None
     extra = state | {"decoder.unused.weight": torch.zeros(2)}  # ignored, as from_pretrained ignores it
-    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), extra) is not None
+    assert model_around(cls, AutoConfig.from_pretrained(tmp_path), extra, torch.bfloat16) is not None
