@@ -690,7 +690,7 @@ MUTATIONS: list[Mutation] = [
              "    if (model._keep_in_fp32_modules and dtype == torch.float16) or (",
              "    if (model._keep_in_fp32_modules and dtype == torch.bfloat16) or (",
              ("tests/models/test_device_load.py",),
-             "a float16 T5 loaded through pinned memory keeps `wo` in float16, where from_pretrained keeps it in float32"),
+             "a float16 T5 loaded through pinned memory keeps `wo` in float16 (from_pretrained: float32)"),
     Mutation("cudnn-not-warned", "diffusion_pipe/train/loop.py",
              '    if train.attention == "cudnn":', '    if train.attention == "never":',
              ("tests/train/test_messages.py",),

@@ -56,7 +56,8 @@ def test_a_tensor_at_an_offset_its_dtype_cannot_view_is_copied(tmp_path):
     """Three int8 bytes first put the bf16 tensor at an odd offset: a view of the file's bytes cannot express it."""
     weight = torch.randn(4, 3).bfloat16()
     raw = weight.view(torch.uint8).numpy().tobytes()
-    write_by_hand(tmp_path / "odd.safetensors", [("ids", "I8", [3], bytes([1, 2, 255])), ("weight", "BF16", [4, 3], raw)])
+    tensors = [("ids", "I8", [3], bytes([1, 2, 255])), ("weight", "BF16", [4, 3], raw)]
+    write_by_hand(tmp_path / "odd.safetensors", tensors)
     loaded = load_safetensors_to_device([tmp_path / "odd.safetensors"], torch.device("cpu"), chunk_bytes=5)
     assert loaded["ids"].tolist() == [1, 2, -1]
     assert torch.equal(loaded["weight"], weight)
