@@ -83,13 +83,15 @@ PINNED_LOAD_MIN_BYTES = 1 << 30
 def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> list[Path]:
     """The safetensors shards of a transformers model to load straight onto a CUDA `device` through pinned memory
     (diffusion_pipe.models.device_load: BENCHMARKS.md, Encode), or [] where `from_pretrained` to host memory is
-    kept: another device, a diffusers model, under PINNED_LOAD_MIN_BYTES, or a floating-point tensor stored in
-    another dtype than `dtype` (converting on the device would hold both copies there at once)."""
+    kept: another device, a diffusers model, under PINNED_LOAD_MIN_BYTES, a floating-point tensor stored in
+    another dtype than `dtype` (converting on the device would hold both copies there at once), or a dtype the
+    loader cannot read."""
     import json
 
     from transformers import PreTrainedModel
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+    from diffusion_pipe.models.checkpoints import SAFETENSORS_DTYPES
     from diffusion_pipe.models.device_load import read_header
 
     if torch.device(device).type != "cuda" or not issubclass(cls, (PreTrainedModel, _BaseAutoModelClass)):
@@ -101,10 +103,8 @@ def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: t
         shards = [directory / "model.safetensors"]
     if not all(shard.is_file() for shard in shards) or sum(s.stat().st_size for s in shards) < PINNED_LOAD_MIN_BYTES:
         return []
-    stored = {info["dtype"] for shard in shards for info in read_header(shard)[1].values()}
-    floating = {name for name in stored if name.startswith(("F", "BF"))}
-    wanted = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
-    return shards if floating <= {wanted} else []
+    stored = {SAFETENSORS_DTYPES.get(info["dtype"]) for shard in shards for info in read_header(shard)[1].values()}
+    return shards if all(d is not None and (d == dtype or not d.is_floating_point) for d in stored) else []
 
 
 def model_around(cls: type, config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module | None:
@@ -120,9 +120,8 @@ def model_around(cls: type, config, state: dict[str, torch.Tensor], dtype: torch
 
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config) if issubclass(cls, _BaseAutoModelClass) else cls(config)
-    if (model._keep_in_fp32_modules and dtype == torch.float16) or (
-            model._keep_in_fp32_modules_strict and dtype in (torch.float16, torch.bfloat16)):
-        return None  # transformers' dtype plan (PreTrainedModel._get_dtype_plan)
+    if model._get_dtype_plan(dtype):  # modules from_pretrained would keep in float32 in this dtype
+        return None
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):

@@ -102,6 +102,9 @@ def test_large_transformers_weights_stored_in_the_asked_dtype_go_through_pinned_
     assert common.pinned_load_shards(cls, tmp_path / "one", torch.float16, cuda) == []  # would convert on the GPU
     assert common.pinned_load_shards(cls, tmp_path / "float32", torch.bfloat16, cuda) == []
     assert common.pinned_load_shards(AutoencoderKL, tmp_path / "one", torch.bfloat16, cuda) == []
+    (tmp_path / "unreadable").mkdir()  # a dtype the loader has no torch dtype for: from_pretrained's to deal with
+    write_by_hand(tmp_path / "unreadable/model.safetensors", [("ids", "U16", [2], bytes(4))])
+    assert common.pinned_load_shards(cls, tmp_path / "unreadable", torch.bfloat16, cuda) == []
     (tmp_path / "sharded" / shards[0].name).unlink()  # a shard the index names is missing: from_pretrained says so
     assert common.pinned_load_shards(cls, tmp_path / "sharded", torch.bfloat16, cuda) == []
 
