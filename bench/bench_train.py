@@ -157,6 +157,12 @@ VARIANTS = {
     **{f"{name}{suffix}": {"plain": False, "gradient_accumulation_steps": ga, "micro_batch_size": mb,
                            "compile": suffix == "-compile", "max_gpu_memory_gb": 80}
        for name, ga, mb in (("ga4", 4, 1), ("ga2-mb2", 2, 2), ("mb2", 1, 2)) for suffix in ("", "-compile")},
+    # micro-batch 2 under the checkpointing that met issue 17's 25% (a Flux-dev micro-batch of 2 does not fit 80 GB
+    # uncheckpointed), against "compile-ckpt-share80-keep-attention"
+    "mb2-compile-ckpt-share80-keep-attention": {"plain": False, "micro_batch_size": 2, "compile": True,
+                                                "activation_checkpointing": True,
+                                                "activation_checkpointing_share": 0.8,
+                                                "activation_checkpointing_keep": "attention"},
     # eager plus train.samples (samples_section: renders at step 0, halfway and at the end), added by main()
     "samples": {"plain": False, "max_gpu_memory_gb": 80},
 }

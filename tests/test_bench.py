@@ -96,3 +96,25 @@ def test_the_flux_blocks_of_the_attention_check_build_and_backpropagate_on_the_c
     assert len(grads) > 20 and all(g is not None for g in grads.values())
     blocks.zero_grad()
     assert all(g is None for name, g in blocks.gradients(x, c).items() if not name.startswith("d "))
+
+
+def test_the_lora_fusion_bench_computes_one_function_three_ways_and_sees_what_bf16_drops():
+    import bench_lora_fusion as fusion
+
+    torch = pytest.importorskip("torch")
+    x, w, bias, a, b = fusion.operands(48, 40, 6, 4, "cpu", torch.float64, 0.5)
+    results = {}
+    for name, fn in fusion.ways(0.75).items():
+        x_, a_, b_ = (t.detach().requires_grad_() for t in (x, a, b))
+        out = fn(x_, w, bias, a_, b_)
+        out.pow(2).sum().backward()
+        results[name] = (out, x_.grad, a_.grad, b_.grad)
+    for name in ("fused", "addmm"):  # the same forward and the same gradients as peft's, in float64
+        for got, want in zip(results[name], results["peft"]):
+            torch.testing.assert_close(got, want)
+    assert results["base"][2] is None and not torch.allclose(results["base"][0], results["peft"][0])
+    # in bf16, an adapter at 0.03% of W is mostly rounded away by a sum after the rounded base product, and kept
+    # by a product that adds it in its accumulator; at 3% every way keeps it
+    small, large = (fusion.retained(256, 256, 64, 4, ratio, "cpu") for ratio in (3e-4, 3e-2))
+    assert small["peft"] < 0.5 and small["fused"] < 0.5 and small["addmm"] > 0.9
+    assert all(0.97 < share < 1.03 for share in large.values())
