@@ -106,8 +106,9 @@ class _OnDevice:
 
 
 def plain_family(family: str, adapter, media: tuple[int, int, int], text_len: int, steps: int, device: str,
-                 log) -> dict:
-    """The plain diffusers + peft loop on `family`'s denoiser (see the module docstring)."""
+                 log, profile: Path | None = None) -> dict:
+    """The plain diffusers + peft loop on `family`'s denoiser (see the module docstring); `profile`: a
+    torch.profiler table and trace of its step 3 there."""
     from family_shapes import add_plain_lora, random_entry, train_plain
 
     from diffusion_pipe.params import TrainParams
@@ -140,7 +141,7 @@ def plain_family(family: str, adapter, media: tuple[int, int, int], text_len: in
         prediction = contract.unsplit_forward(adapter, denoiser, inputs, like)
         return torch.nn.functional.mse_loss(prediction.float(), target.float())
 
-    out = train_plain(loss, params, steps, dev, log=lambda m: log(f"{family}: {m}"))
+    out = train_plain(loss, params, steps, dev, profile=profile, log=lambda m: log(f"{family}: {m}"))
     out["parameters"] = n_params
     return out
 
@@ -157,9 +158,10 @@ def _reason(error: BaseException | str) -> str:
 
 
 def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log, plain: bool = True,
-              runs: tuple[str, ...] = ("uncapped",)) -> dict:
+              runs: tuple[str, ...] = ("uncapped",), profile: Path | None = None) -> dict:
     """One family's row: model and data, the plain loop, then ours once per entry of `runs` (see the module
-    docstring); failures are caught and named."""
+    docstring); failures are caught and named. `profile`: a directory for profiles of each runner (tables,
+    Chrome traces; ours' steps 4-6 and plain's step 3), whose timings they slow."""
     from bench_train import VARIANTS, run_ours, write_params
     from family_shapes import fill_store, media_shape, write_model_dir
 
@@ -186,7 +188,8 @@ def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log,
     if plain:
         started = time.perf_counter()
         try:
-            row["plain"] = plain_family(family, adapter, media, text_len, steps, device, log)
+            row["plain"] = plain_family(family, adapter, media, text_len, steps, device, log,
+                                        profile and profile / f"{family}-plain.txt")
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
             row["plain"] = {"error": _reason(error)}
@@ -202,7 +205,7 @@ def bench_one(family: str, shape: str, steps: int, device: str, work: Path, log,
         write_params(params, model_dir, {"text_len": text_len}, steps, device, variant, base_dtype=base_dtype,
                      family=family, guidance=None)
         try:
-            report = run_ours(root, params, encoded, store, f"ours-{i}", None)
+            report = run_ours(root, params, encoded, store, f"ours-{i}", profile and profile / f"{family}-ours-{i}.txt")
             result = {k: report.get(k) for k in ("step_seconds", "max_memory_gb", "process_seconds",
                                                  "train_loss_first", "train_loss_last10", "lora_modules")}
         except SystemExit as error:  # run_ours exits with the stage's stderr
@@ -249,6 +252,9 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="run ours only")
     parser.add_argument("--runs", default="uncapped",
                         help="comma list of runs of ours, NAME[:BASE_DTYPE] (module docstring); the first is the row's")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write torch.profiler tables and Chrome traces of both runners here (slows their "
+                             "timings; read the traces with bench/trace_gaps.py)")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="start no family after this many seconds of the run (0: no limit)")
     args = parser.parse_args()
@@ -272,6 +278,8 @@ def main() -> None:
         missing = [f for f in families if f not in REAL]
         if missing:
             parser.error(f"no real shape for {missing} in bench/family_shapes.py REAL")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     log = _Clock()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-family-"))
     results: dict = {"shape": args.shape, "steps": args.steps, "device": args.device, "torch": torch.__version__,
@@ -284,7 +292,7 @@ def main() -> None:
         else:
             log(f"{family}: start")
             row = bench_one(family, args.shape, args.steps, args.device, work, log, plain=not args.no_plain,
-                            runs=runs)
+                            runs=runs, profile=args.profile)
             row["seconds"] = round(log.elapsed(), 1)
         results["rows"].append(row)
         print(HEADER + "\n" + markdown_row(row), flush=True)

@@ -12,16 +12,19 @@ requiring its gradient as a pipeline layer's input does and W frozen:
 - `fused`: one product with W + s B A, formed in the weights' dtype in the forward and again in the backward
   (`FusedLora`: the backward also gives A's and B's gradients through thin products, never a full-size weight
   gradient; keeping the merged weight instead would hold a second copy of every adapted weight);
-- `addmm`: the adapter's thin products first, then the base product adding them in its own fp32 accumulator
-  (`torch.addmm`): no separate sum, and one rounding to bf16 instead of two.
+- `addmm`: the adapter's thin products first, then the base product adding them (`torch.addmm`, beta = s): no
+  separate sum, and (where the library adds C in its fp32 accumulator, as on the CPU) one rounding to bf16, not two.
 Timed at every Flux-dev (1024x1024: 4096 image and 512 text tokens, width 3072) LoRA target shape, each shape's
-median time times its count in the model's 57 blocks: the step's LoRA'd linears.
+time times its count in the model's 57 blocks: the step's LoRA'd linears. Two clocks: the device's kernel time
+(what a pass costs inside a step whose host runs ahead, as the train stage's does) and a lone synchronized pass's
+wall time (launch-bound at the small shapes).
 
 Precision: W is stored in bf16, so W + s B A formed in bf16 rounds the adapter's change to W's grid; an entry
 below half a step of that grid is lost, for every token alike. peft's sum has the same flaw one step later: the
-base output is rounded to bf16 first, and an adapter output under half a step of that grid is lost. `retained` is the share of the adapter's effect on
-the output that survives (the projection of each way's y minus the exact x W^T on the exact s x A^T B^T), for an
-adapter whose change to W has an RMS of `ratio` times W's RMS; 1.0 is all of it.
+base output is rounded to bf16 first, and an adapter output under half a step of that grid is lost. `retained`
+is the share of the adapter's effect on the output that survives (the projection of each way's y minus the exact
+x W^T on the exact s x A^T B^T), for an adapter whose change to W has an RMS of `ratio` times W's RMS; 1.0 is all
+of it.
 """
 
 from __future__ import annotations
@@ -112,21 +115,37 @@ def retained(d_in: int, d_out: int, tokens: int, rank: int, ratio: float, device
     return out
 
 
-def time_way(fn, x, w, bias, a, b, iters: int) -> float:
-    """Median seconds of a forward + backward of compiled `fn` (after compiling and three warm-up passes)."""
+def time_way(fn, x, w, bias, a, b, iters: int) -> tuple[float, float]:
+    """Seconds of a forward + backward of compiled `fn`, after compiling and three warm-up passes: the device's
+    kernel time per pass (summed from a profile of `iters` passes: what the pass costs in a step whose host runs
+    ahead of the device, as the train stage's does) and the median wall time of a pass synchronized alone (host
+    included: launch-bound for the small shapes)."""
+    from torch.profiler import ProfilerActivity, profile
+
     fn = torch.compile(fn)
     grad = torch.randn(*x.shape[:-1], w.shape[0], device=x.device, dtype=x.dtype)
-    times = []
-    for i in range(iters + 3):
+
+    def one_pass():
         x_, a_, b_ = (t.detach().requires_grad_() for t in (x, a, b))
+        fn(x_, w, bias, a_, b_).backward(grad)
+
+    walls = []
+    for i in range(iters + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(x_, w, bias, a_, b_).backward(grad)
+        one_pass()
         end.record()
         torch.cuda.synchronize()
         if i >= 3:
-            times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
+            walls.append(start.elapsed_time(end) / 1000)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            one_pass()
+        torch.cuda.synchronize()
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    if device_us <= 0:
+        raise RuntimeError("the profile recorded no kernel time")
+    return device_us / 1e6 / iters, sorted(walls)[len(walls) // 2]
 
 
 def main() -> None:
@@ -151,19 +170,22 @@ def main() -> None:
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.cache_size_limit = torch._dynamo.config.recompile_limit = 256
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank {args.rank}, bf16, compiled")
-        totals = dict.fromkeys(ways(1.0), 0.0)
+        totals = {clock: dict.fromkeys(ways(1.0), 0.0) for clock in ("device", "wall")}
         for (d_in, d_out, tokens), count in FLUX_DEV_SHAPES.items():
             tensors = operands(d_in, d_out, tokens, args.rank, "cuda", torch.bfloat16, 0.01)
             row = {name: time_way(fn, *tensors, args.iters) for name, fn in ways(1.0).items()}
             results["timing"][f"{d_in}x{d_out}x{tokens}"] = {"count": count, **row}
-            for name in totals:
-                totals[name] += count * row[name]
-            print(f"{d_in:>6} -> {d_out:<6} {tokens:>5} tokens x{count:<4} " + "  ".join(
-                f"{k} {v * 1e3:.3f} ms" for k, v in row.items()), flush=True)
+            for name, (device, wall) in row.items():
+                totals["device"][name] += count * device
+                totals["wall"][name] += count * wall
+            print(f"{d_in:>6} -> {d_out:<6} {tokens:>5} tokens x{count:<4} device ms " + "  ".join(
+                f"{k} {v[0] * 1e3:.3f}" for k, v in row.items()) + "; wall ms " + "  ".join(
+                f"{k} {v[1] * 1e3:.3f}" for k, v in row.items()), flush=True)
         results["step_lora_linears_s"] = totals
-        print(f"per Flux-dev step, its {sum(FLUX_DEV_SHAPES.values())} LoRA'd linears: " + ", ".join(
-            f"{k} {v:.4f} s" for k, v in totals.items()) + "; over base: " + ", ".join(
-            f"{k} {v - totals['base']:+.4f} s" for k, v in totals.items() if k != "base"))
+        for clock, total in totals.items():
+            print(f"per Flux-dev step, its {sum(FLUX_DEV_SHAPES.values())} LoRA'd linears, {clock} time: " + ", ".join(
+                f"{k} {v:.4f} s" for k, v in total.items()) + "; over base: " + ", ".join(
+                f"{k} {v - total['base']:+.4f} s" for k, v in total.items() if k != "base"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

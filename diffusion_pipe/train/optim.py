@@ -71,8 +71,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's signature
-        for param, master in self._low:
-            master.grad = None if param.grad is None else param.grad.float()
+        self._grads_in()
         grads = [m.grad for m in self.masters if m.grad is not None]
         scaler = self.loss_scaler
         if grads:
@@ -118,6 +117,22 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 self._copy_out()
             elif self._low:  # no saved masters: take them from the (already loaded) parameters
                 torch._foreach_copy_([m for _, m in self._low], [p for p, _ in self._low])
+
+    @torch.no_grad()
+    def _grads_in(self) -> None:
+        """The low-precision parameters' gradients, as fp32 gradients of their masters: per device one buffer and
+        one multi-tensor copy (a LoRA has hundreds of small tensors; a cast each cost a launch each)."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for param, master in self._low:
+            master.grad = None
+            if param.grad is not None:
+                by_device.setdefault(master.device, []).append((param, master))
+        for device, pairs in by_device.items():
+            flat = torch.empty(sum(m.numel() for _, m in pairs), dtype=torch.float32, device=device)
+            views = [v.view_as(m) for v, (_, m) in zip(flat.split([m.numel() for _, m in pairs]), pairs)]
+            torch._foreach_copy_(views, [p.grad for p, _ in pairs])
+            for view, (_, master) in zip(views, pairs):
+                master.grad = view
 
     @torch.no_grad()
     def _copy_out(self) -> None:

@@ -39,6 +39,29 @@ def test_fp32_parameters_are_their_own_masters():
     assert p[0].item() < 1
 
 
+def test_masters_of_many_shapes_step_as_adamw_on_fp32_copies_and_a_missing_gradient_is_no_update():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 4), (4, 16), (7,), (3, 5, 2), (1,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt, ref_opt = MasterWeightAdamW(ours, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
+    for step, without in enumerate((None, 2)):  # the second step: one parameter has no gradient
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            grad = None if i == without else torch.randn(p.shape, generator=g).bfloat16()
+            p.grad, q.grad = grad, None if grad is None else grad.float()
+        before = opt.masters[2].clone()
+        opt.step()
+        ref_opt.step()
+        for master, q in zip(opt.masters, ref):
+            assert master.dtype == torch.float32 and torch.allclose(master, q, atol=1e-6)
+        if without is not None:
+            assert opt.masters[without].grad is None and torch.equal(opt.masters[without], before)
+        for p, master in zip(ours, opt.masters):
+            assert torch.equal(p, master.bfloat16())
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
 def test_clipping_matches_torch_and_reports_the_norm():
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 4), (4, 16), (7,)]
