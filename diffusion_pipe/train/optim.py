@@ -48,6 +48,9 @@ class LossScaler:
         self.scale, self.clean_steps, self.skipped_steps = state["scale"], state["clean_steps"], state["skipped_steps"]
 
 
+_GRAD_BUFFER_NUMEL = 1 << 26  # 256 MiB of fp32 gradients per buffer (MasterWeightAdamW._grads_in)
+
+
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW stepping fp32 copies of `params`, whose own dtype may be bf16, fp16 or fp32.
 
@@ -120,15 +123,24 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def _grads_in(self) -> None:
-        """The low-precision parameters' gradients, as fp32 gradients of their masters: per device one buffer and
-        one multi-tensor copy (a LoRA has hundreds of small tensors; a cast each cost a launch each)."""
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """The low-precision parameters' gradients, as fp32 gradients of their masters: a few buffers of at most
+        `_GRAD_BUFFER_NUMEL` elements per device (a larger tensor gets its own; a full fine-tune's gradients are not
+        asked of the allocator as one block), each filled by one multi-tensor copy (a LoRA has hundreds of small
+        tensors; a cast each cost a launch each)."""
+        buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        filling: dict[torch.device, tuple[int, int]] = {}  # device -> (its open buffer's index, that one's elements)
         for param, master in self._low:
             master.grad = None
-            if param.grad is not None:
-                by_device.setdefault(master.device, []).append((param, master))
-        for device, pairs in by_device.items():
-            flat = torch.empty(sum(m.numel() for _, m in pairs), dtype=torch.float32, device=device)
+            if param.grad is None:
+                continue
+            index, numel = filling.get(master.device, (-1, 0))
+            if index < 0 or numel + master.numel() > _GRAD_BUFFER_NUMEL:
+                buffers.append([])
+                index, numel = len(buffers) - 1, 0
+            buffers[index].append((param, master))
+            filling[master.device] = (index, numel + master.numel())
+        for pairs in buffers:
+            flat = torch.empty(sum(m.numel() for _, m in pairs), dtype=torch.float32, device=pairs[0][1].device)
             views = [v.view_as(m) for v, (_, m) in zip(flat.split([m.numel() for _, m in pairs]), pairs)]
             torch._foreach_copy_(views, [p.grad for p, _ in pairs])
             for view, (_, master) in zip(views, pairs):

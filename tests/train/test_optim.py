@@ -1,8 +1,10 @@
 """fp32 master weights for bf16 parameters: updates too small for bf16 still accumulate, state round-trips, and
 gradient clipping matches torch's on the same gradients."""
 
+import pytest
 import torch
 
+from diffusion_pipe.train import optim
 from diffusion_pipe.train.optim import MasterWeightAdamW
 
 
@@ -39,7 +41,10 @@ def test_fp32_parameters_are_their_own_masters():
     assert p[0].item() < 1
 
 
-def test_masters_of_many_shapes_step_as_adamw_on_fp32_copies_and_a_missing_gradient_is_no_update():
+@pytest.mark.parametrize("buffer_numel, buffers", [(1 << 26, 1), (64, 3)])
+def test_masters_of_many_shapes_step_as_adamw_on_fp32_copies_and_a_missing_gradient_is_no_update(
+        monkeypatch, buffer_numel, buffers):
+    monkeypatch.setattr(optim, "_GRAD_BUFFER_NUMEL", buffer_numel)  # 64: buffers of 64, 64 and 7 + 30 + 1 elements
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 4), (4, 16), (7,), (3, 5, 2), (1,)]
     ours = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
@@ -51,6 +56,8 @@ def test_masters_of_many_shapes_step_as_adamw_on_fp32_copies_and_a_missing_gradi
             p.grad, q.grad = grad, None if grad is None else grad.float()
         before = opt.masters[2].clone()
         opt.step()
+        if without is None:
+            assert len({m.grad.untyped_storage().data_ptr() for m in opt.masters}) == buffers
         ref_opt.step()
         for master, q in zip(opt.masters, ref):
             assert master.dtype == torch.float32 and torch.allclose(master, q, atol=1e-6)
