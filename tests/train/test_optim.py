@@ -50,7 +50,7 @@ def test_masters_of_many_shapes_step_as_adamw_on_fp32_copies_and_a_missing_gradi
     ours = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
     ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
     opt, ref_opt = MasterWeightAdamW(ours, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
-    for step, without in enumerate((None, 2)):  # the second step: one parameter has no gradient
+    for without in (None, 2):  # the second step: one parameter has no gradient
         for i, (p, q) in enumerate(zip(ours, ref)):
             grad = None if i == without else torch.randn(p.shape, generator=g).bfloat16()
             p.grad, q.grad = grad, None if grad is None else grad.float()
