@@ -41,7 +41,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def stage_command(name: str) -> Callable:
     """A click command for stage `name`: loads and validates params.yaml (all of it), checks that the paths
-    params point at are deps of the stage in dvc.yaml, and turns user errors into a message."""
+    params point at are deps of the stage in dvc.yaml, refuses to end when the params it read were edited while
+    it ran, and turns user errors into a message."""
     def wrap(fn: Callable) -> click.Command:
         @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml",
                       show_default=True, help="The params file.")
@@ -53,7 +54,7 @@ def stage_command(name: str) -> Callable:
             os.environ.setdefault("DVC_NO_ANALYTICS", "1")
             if local_rank is not None:
                 os.environ.setdefault("LOCAL_RANK", str(local_rank))
-            from diffusion_pipe.dvcfile import require_deps
+            from diffusion_pipe.dvcfile import check_params_unchanged, require_deps
             from diffusion_pipe.params import load_params
 
             try:
@@ -61,6 +62,7 @@ def stage_command(name: str) -> Callable:
                 for param, paths in stage_param_paths(name, params):
                     require_deps(params_path.parent / "dvc.yaml", name, paths, param)
                 fn(params, **kwargs)
+                check_params_unchanged(params_path, name, params)
             except user_errors() as exc:
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(2)

@@ -184,6 +184,38 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def flatten(obj: object, prefix: str = "") -> dict[str, object]:
+    """Dotted paths to leaf values: {"params": {"train": {"seed": 0}}} -> {"params.train.seed": 0}. Items of a
+    list of mappings or lists are indexed as `[i]`; a list of plain values is one leaf."""
+    if isinstance(obj, dict) and obj:
+        out: dict[str, object] = {}
+        for key in sorted(obj):
+            out.update(flatten(obj[key], f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        out = {}
+        for i, value in enumerate(obj):
+            out.update(flatten(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: obj}
+
+
+def changed_params(old: dict, new: dict, selections: typing.Iterable[str]) -> list[str]:
+    """`key: old -> new` for every leaf under `selections` (section names or dotted keys, as a dvc.yaml `params:`
+    list names them) whose value differs between two `to_dict` forms of params. Pure."""
+    def pick(tree: dict, selection: str) -> object:
+        for part in selection.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    changes = []
+    for selection in selections:
+        a, b = flatten(pick(old, selection), selection), flatten(pick(new, selection), selection)
+        changes += [f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(a.keys() | b.keys())
+                    if a.get(key) != b.get(key)]
+    return changes
+
+
 def load_section(cls: type[T], params_path: str | Path, section: str) -> T:
     """Load one top-level section of a params file into `cls`; other sections are left unread."""
     data = load_yaml(params_path)

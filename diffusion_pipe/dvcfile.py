@@ -4,18 +4,58 @@ change. The stages check this and say exactly what to add."""
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from diffusion_pipe.config import ConfigError
 
+if TYPE_CHECKING:
+    from diffusion_pipe.params import Params
 
-def stage_deps(dvc_yaml: Path, stage: str) -> list[str] | None:
-    """The `deps` of `stage` in `dvc_yaml` as written; None when there is no dvc.yaml (a run outside DVC)."""
+
+def _stage_entry(dvc_yaml: Path, stage: str, field: str) -> list | None:
     if not dvc_yaml.is_file():
         return None
     from ruamel.yaml import YAML
 
     data = YAML(typ="safe", pure=True).load(dvc_yaml.read_text()) or {}
-    return [str(d) for d in (data.get("stages", {}).get(stage, {}) or {}).get("deps", []) or []]
+    return list((data.get("stages", {}).get(stage, {}) or {}).get(field, []) or [])
+
+
+def stage_deps(dvc_yaml: Path, stage: str) -> list[str] | None:
+    """The `deps` of `stage` in `dvc_yaml` as written; None when there is no dvc.yaml (a run outside DVC)."""
+    deps = _stage_entry(dvc_yaml, stage, "deps")
+    return None if deps is None else [str(d) for d in deps]
+
+
+def stage_params(dvc_yaml: Path, stage: str) -> list[str] | None:
+    """The keys of params.yaml that `stage` lists under `params:` in `dvc_yaml` (sections or dotted keys; entries
+    naming another params file are left out); None when there is no dvc.yaml."""
+    params = _stage_entry(dvc_yaml, stage, "params")
+    return None if params is None else [str(p) for p in params if isinstance(p, str)]
+
+
+def check_params_unchanged(params_path: Path, stage: str, used: Params) -> None:
+    """Refuse to end stage `stage` when params.yaml now differs from `used` (what the stage ran with) on a key the
+    stage lists in dvc.yaml: DVC writes dvc.lock from the file as it stands when the stage ends, so an edit made
+    while the stage ran would be recorded as what produced its outputs (and a later `dvc repro` would not redo
+    them). Outside DVC (no dvc.yaml) there is no record to protect."""
+    from diffusion_pipe.config import changed_params, to_dict
+    from diffusion_pipe.params import load_params
+
+    keys = stage_params(params_path.parent / "dvc.yaml", stage)
+    if not keys:
+        return
+    fix = (f"put the values it ran with back and run `dvc commit {stage}` to keep these outputs, or run "
+           f"`dvc repro {stage}` to redo it with the new ones")
+    try:
+        now = load_params(params_path)
+    except (ConfigError, OSError) as exc:
+        raise ConfigError(f"{params_path} was edited while stage '{stage}' ran and no longer loads ({exc}); "
+                          f"{fix}") from None
+    changes = changed_params(to_dict(used), to_dict(now), keys)
+    if changes:
+        raise ConfigError(f"{params_path} was edited while stage '{stage}' ran ({'; '.join(changes)}): its outputs "
+                          f"were made with the values on the left, and DVC would record the ones on the right; {fix}")
 
 
 def _covers(dep: str, path: str) -> bool:

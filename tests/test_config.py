@@ -1,5 +1,7 @@
 """params.yaml loading: strict keys with suggestions, typed values, YAML 1.2 numbers."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,52 @@ def test_cuda_without_gpu_names_the_param():
     assert resolve_device("auto", "train.device").type == "cpu"
     with pytest.raises(ConfigError, match=r"train.device: 'cuda' asked for but no CUDA GPU is visible"):
         resolve_device("cuda", "train.device")
+
+
+def test_changed_params_names_each_differing_leaf_under_the_selected_keys():
+    from diffusion_pipe.config import changed_params
+
+    old = {"train": {"lr": 0.002, "steps": 10, "samples": {"prompts": [{"text": "a"}]}}, "scan": {"workers": 1}}
+    new = {"train": {"lr": 0.001, "steps": 10, "samples": {"prompts": [{"text": "b"}]}}, "scan": {"workers": 2}}
+    assert changed_params(old, new, ["train"]) == ["train.lr: 0.002 -> 0.001",
+                                                   "train.samples.prompts[0].text: 'a' -> 'b'"]
+    assert changed_params(old, new, ["train.steps", "model"]) == []
+    assert changed_params(old, new, ["scan.workers"]) == ["scan.workers: 1 -> 2"]
+
+
+STAGE_SCRIPT = """
+from pathlib import Path
+from diffusion_pipe.cli_support import stage_command
+
+@stage_command("train")
+def command(params):
+    p = Path("params.yaml")  # the user's edit, made while the stage runs
+    p.write_text(p.read_text().replace("learning_rate: 0.002", "learning_rate: 0.001"))
+    Path("out.txt").write_text(str(params.train.learning_rate))
+
+command()
+"""
+
+
+def test_a_stage_whose_params_were_edited_while_it_ran_fails_and_dvc_records_nothing(tmp_path):
+    """DVC writes dvc.lock from params.yaml as it stands when a stage ends: a stage must not end successfully
+    when a param it read changed meanwhile, or dvc.lock (and every lineage after it) names params the outputs
+    were not made with, and `dvc repro` would never redo them."""
+    from tests.conftest import run_env
+
+    (tmp_path / "stage.py").write_text(STAGE_SCRIPT)
+    (tmp_path / "params.yaml").write_text(
+        "model:\n  family: flux\n  path: model\nscan:\n  datasets:\n    - path: items\n"
+        "train:\n  learning_rate: 0.002\n")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  train:\n    cmd: python stage.py\n    params: [train]\n"
+                                       "    outs: [out.txt]\n")
+    env = {**run_env(tmp_path / "store"), "PYTHONPATH": str(Path(__file__).parents[1])}
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=tmp_path, env=env, check=True)
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode != 0
+    assert ("params.yaml was edited while stage 'train' ran (train.learning_rate: 0.002 -> 0.001)"
+            in out.stdout + out.stderr), out.stderr
+    assert "dvc commit train" in out.stderr
+    assert not (tmp_path / "dvc.lock").exists()  # nothing recorded: the next `dvc repro` trains again
+    assert (tmp_path / "out.txt").read_text() == "0.002"  # the work itself is kept

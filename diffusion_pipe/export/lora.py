@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from diffusion_pipe.errors import UserError
 from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_file
-from diffusion_pipe.lineage.record import METADATA_KEY, export_lineage, lineage_metadata
+from diffusion_pipe.lineage.record import METADATA_KEY, export_lineage, lineage_metadata, trained_params_drift
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.params import Params
 from diffusion_pipe.tensorfile import save_deterministic
@@ -46,6 +47,12 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
     report = json.loads(train_report.read_text()) if train_report.is_file() else None
     trained = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
     lineage = export_lineage(params, repo, lora_path, manifest, encoded, report, trained)
+    drift = trained_params_drift(lineage, repo)
+    if drift:
+        raise UserError(f"{lora_path} was trained with other params than params.yaml holds now: {'; '.join(drift)} "
+                        "(trained -> params.yaml; was it edited while train ran, after DVC recorded it?): nothing "
+                        "exported. Run `dvc repro --force train` to train with params.yaml as it is, or put back the "
+                        "values it was trained with")
     if kind == "full":  # the whole denoiser: a diffusers component directory, loaded with from_pretrained
         path = write_full(adapter, lora, out_dir / f"{params.export.name}.full", lineage)
         listed = {**json.loads((path / "lineage.json").read_text())["files"],

@@ -7,7 +7,7 @@ data, captions, weights, code, environment), then what was derived from them (en
 
 from __future__ import annotations
 
-from diffusion_pipe.lineage.record import flatten
+from diffusion_pipe.config import flatten
 from diffusion_pipe.lineage.show import format_value
 
 ABSENT = "<absent>"

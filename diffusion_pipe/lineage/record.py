@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from diffusion_pipe.config import to_dict
+from diffusion_pipe.config import flatten, to_dict
 from diffusion_pipe.fileio import atomic_writer
 from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import Params
@@ -35,6 +35,8 @@ STORE_FAMILIES = ("latent", "text")
 # rewritten only after it finishes, so while it runs the entry is the previous run's (its deps point at the
 # previous inputs), and downstream entries are not inputs at all.
 UPSTREAM_STAGES = {"train": ("scan", "encode"), "export": ("scan", "encode", "train")}
+# The params the train stage reads, where no dvc.yaml says (a run outside DVC).
+TRAIN_PARAMS = ("model", "train")
 
 
 def git_state(repo: Path) -> dict:
@@ -192,6 +194,21 @@ def training_record(params: Params, train_report: dict | None) -> dict:
                                           "eval_loss_end")}}
 
 
+def trained_params_drift(record: dict, repo: Path) -> list[str]:
+    """`key: trained value -> recorded value` for every param the train stage reads (its `params:` in the
+    repository's dvc.yaml, else `model` and `train`) on which an export record's params differ from those its
+    trained LoRA's own record holds: the export (and dvc.lock) would then describe a training that did not happen,
+    as when params.yaml is edited while train runs. Empty for a record without a trained LoRA's record."""
+    from diffusion_pipe.config import changed_params
+    from diffusion_pipe.dvcfile import stage_params
+
+    trained = record.get("trained_lora")
+    if not trained:
+        return []
+    keys = stage_params(repo / "dvc.yaml", "train") or TRAIN_PARAMS
+    return changed_params(trained.get("params") or {}, record.get("params") or {}, keys)
+
+
 def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_keys: dict[str, list[str]],
                        train_report: dict | None, *, manifest_path: Path = MANIFEST) -> dict:
     """The lineage record of a trained LoRA or checkpoint (the train stage stamps `lora.safetensors` with it).
@@ -234,22 +251,6 @@ def _lineage(kind: str, stage: str, params: Params, repo: Path, inputs: dict, tr
         "environment": environment(),
         "training": training_record(params, train_report),
     }
-
-
-def flatten(obj: object, prefix: str = "") -> dict[str, object]:
-    """Dotted paths to leaf values: {"params": {"train": {"seed": 0}}} -> {"params.train.seed": 0}. Items of a
-    list of mappings or lists are indexed as `[i]`; a list of plain values is one leaf."""
-    if isinstance(obj, dict) and obj:
-        out: dict[str, object] = {}
-        for key in sorted(obj):
-            out.update(flatten(obj[key], f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
-        out = {}
-        for i, value in enumerate(obj):
-            out.update(flatten(value, f"{prefix}[{i}]"))
-        return out
-    return {prefix: obj}
 
 
 def lineage_metadata(record: dict) -> dict[str, str]:

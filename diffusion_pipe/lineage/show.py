@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from diffusion_pipe.lineage.record import flatten
+from diffusion_pipe.config import flatten
 
 # Shown by name in the readable form; the whole environment is in the record (`--json`).
 KEY_PACKAGES = ("diffusers", "transformers", "peft", "deepspeed", "safetensors", "dvc", "diffusion-pipe")

@@ -14,6 +14,7 @@ from diffusion_pipe.lineage.record import (
     lock_mismatches,
     md5_file,
     store_keys_record,
+    trained_params_drift,
 )
 from diffusion_pipe.lineage.show import short_hash
 from diffusion_pipe.store.pack import REPAIR_HINT
@@ -144,6 +145,17 @@ def _check_dvc_lock(record: dict, repo: Path) -> Check | None:
     return Check("dvc.lock entries", True, f"{', '.join(sorted(entries))} describe the recorded inputs")
 
 
+def _check_trained_params(record: dict, repo: Path) -> Check | None:
+    """An export record's params agree with the params its LoRA was trained with, on every key train reads."""
+    if not record.get("trained_lora"):
+        return None
+    drift = trained_params_drift(record, repo)
+    return Check("trained params", not drift, "" if not drift else
+                 f"the LoRA was trained with other params than this record (and dvc.lock) state: {'; '.join(drift)} "
+                 "(trained -> recorded; params.yaml was edited while train ran?); run `dvc repro --force train` to "
+                 "train with the recorded ones, or restore the values it was trained with")
+
+
 def verify_lineage(record: dict, repo: Path, store=None, lineage_dir: Path | None = None) -> list[Check]:
     """Check a lineage record against the repository and the store, item by item.
 
@@ -160,7 +172,7 @@ def verify_lineage(record: dict, repo: Path, store=None, lineage_dir: Path | Non
     inputs = record.get("inputs", {})
     fix = "re-run `dvc repro` to retrain on the current state, or check out the commit the lineage records"
     checks = _check_datasets(record, repo)
-    checks += [c for c in (_check_dvc_lock(record, repo),
+    checks += [c for c in (_check_trained_params(record, repo), _check_dvc_lock(record, repo),
                           _check_file(repo, "manifest", inputs.get("manifest"), fix),
                           _check_file(repo, "encoded table", inputs.get("encoded"), fix),
                           _check_file(repo, "trained LoRA", inputs.get("lora"), fix)) if c is not None]

@@ -121,3 +121,24 @@ def test_the_lineage_and_metadata_record_the_trained_scale(exported) -> None:
     assert (int(meta["lora_rank"]), float(meta["lora_alpha"])) == (RANK, ALPHA)
     lineage = json.loads((exported / "artifacts/shapes-lora.lineage.json").read_text())
     assert (lineage["params"]["train"]["lora_rank"], lineage["params"]["train"]["lora_alpha"]) == (RANK, ALPHA)
+
+
+def test_export_refuses_a_lora_trained_with_other_params_than_params_yaml_holds(exported, tmp_path) -> None:
+    """params.yaml edited while train ran (so dvc.lock records the edit): the LoRA's own record says what it was
+    trained with, and export refuses to stamp another story on it. Nothing is written."""
+    import dataclasses
+
+    from diffusion_pipe.errors import UserError
+    from diffusion_pipe.export.lora import export_lora
+    from diffusion_pipe.params import load_params
+
+    params = load_params(exported / "params.yaml")
+    edited = dataclasses.replace(params, train=dataclasses.replace(params.train, learning_rate=1.0e-3))
+    args = (exported, exported / "runs/train/lora.safetensors", exported / "data/manifest.parquet",
+            exported / "data/encoded.parquet", exported / "reports/train.json")
+    with pytest.raises(UserError, match=r"lora.safetensors was trained with other params than params.yaml holds "
+                                        r"now: train.learning_rate: 0.02 -> 0.001 .*dvc repro --force train"):
+        export_lora(edited, *args, tmp_path / "edited")
+    assert not (tmp_path / "edited").exists()
+    edited = dataclasses.replace(params, scan=dataclasses.replace(params.scan, workers=3))  # not read by train
+    assert export_lora(edited, *args, tmp_path / "scan-edited")

@@ -214,3 +214,34 @@ def test_scan_params_this_version_cannot_read_are_one_drifted_item(small):
     assert ("DRIFT  dataset items: cannot scan it again with the recorded scan params: scan.bucket_stepp: unknown "
             "key") in out, out
     assert out.count("DRIFT") == 1
+
+
+def test_a_record_whose_lora_was_trained_with_other_params_drifts_on_those_keys(small):
+    """params.yaml edited while train ran: the export's params (and dvc.lock) say one lr, its LoRA's own record
+    another. Verify names the key, with both values, and nothing else drifts."""
+    import copy
+
+    repo, store, record = small
+    record["trained_lora"] = {"params": copy.deepcopy(record["params"])}
+    assert "trained params" not in verify(repo, store, record).replace("ok     trained params", "")
+    record["trained_lora"]["params"]["train"]["learning_rate"] = 0.002
+    record["trained_lora"]["params"]["scan"]["workers"] = 7  # not a key train reads: no drift
+    out = verify(repo, store, record)
+    assert f"DRIFT  trained params: the LoRA was trained with other params than this record (and dvc.lock) state: " \
+           f"train.learning_rate: 0.002 -> {record['params']['train']['learning_rate']!r} (trained -> recorded" in out, out
+    assert out.count("DRIFT") == 1, out
+    (repo / "dvc.yaml").write_text("stages:\n  train:\n    cmd: x\n    params: [model, train.steps]\n")
+    assert "ok     trained params" in verify(repo, store, record)  # dvc.yaml says which keys train reads
+
+
+def test_a_secret_in_the_dvc_lock_never_reaches_the_record(small):
+    """DVC copies encode.remote into dvc.lock; the record's copy of the lock entries is redacted."""
+    import yaml
+
+    repo, store, _ = small
+    remote = "s3://AKIA:secr+et@bucket/store"
+    (repo / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"encode": {
+        "cmd": "python -m stages.encode", "params": {"params.yaml": {"encode.remote": remote}}}}}))
+    record = export_lineage(load_params(repo / "params.yaml"), repo, LORA, MANIFEST, ENCODED, None, None)
+    assert record["dvc_lock"]["encode"]["params"]["params.yaml"]["encode.remote"] == "s3://AKIA:***@bucket/store"
+    assert "cr+et" not in json.dumps(record)
