@@ -716,6 +716,23 @@ MUTATIONS: list[Mutation] = [
              "            if norms[n] > 1e-3 * max(norms.values())}", "            }",
              ("tests/test_bench.py",),
              "the cuDNN gradient check ranks a key bias's rounding noise first and fails on it"),
+    # issue 38: params edited while a stage runs, and the lineage that would record them
+    Mutation("stage-ends-with-edited-params", "diffusion_pipe/cli_support.py",
+             "                check_params_unchanged(params_path, name, params)\n", "",
+             ("tests/test_config.py::test_a_stage_whose_params_were_edited_while_it_ran_fails_and_dvc_records_nothing",),
+             "a stage ends normally after params.yaml was edited under it: dvc.lock records values it did not use"),
+    Mutation("lineage-trained-params-not-compared", "diffusion_pipe/lineage/record.py",
+             'return changed_params(trained.get("params") or {}, record.get("params") or {}, keys)', "return []",
+             ("tests/lineage/test_verify.py", "tests/export/test_export_stage.py::"
+              "test_export_refuses_a_lora_trained_with_other_params_than_params_yaml_holds"),
+             "verify and export take an export's params for the trained LoRA's, whatever it was trained with"),
+    Mutation("lineage-dvc-lock-unredacted", "diffusion_pipe/lineage/record.py", '"dvc_lock": redact_obj(lock),',
+             '"dvc_lock": lock,', ("tests/lineage/test_verify.py",),
+             "a secret in encode.remote, copied by DVC into dvc.lock, lands in every LoRA's lineage"),
+    Mutation("export-ignores-trained-params", "diffusion_pipe/export/lora.py", "    if drift:\n", "    if False:\n",
+             ("tests/export/test_export_stage.py::"
+              "test_export_refuses_a_lora_trained_with_other_params_than_params_yaml_holds",),
+             "export stamps params.yaml's params on a LoRA trained with others"),
 ]
 
 
