@@ -202,9 +202,9 @@ def flatten(obj: object, prefix: str = "") -> dict[str, object]:
 
 def changed_params(old: dict, new: dict, selections: typing.Iterable[str]) -> list[str]:
     """`key: old -> new` for every leaf under `selections` (section names or dotted keys, as a dvc.yaml `params:`
-    list names them) whose value differs between two `to_dict` forms of params. Pure."""
+    list names them; "" for all of them) whose value differs between two `to_dict` forms of params. Pure."""
     def pick(tree: dict, selection: str) -> object:
-        for part in selection.split("."):
+        for part in selection.split(".") if selection else ():
             tree = tree.get(part) if isinstance(tree, dict) else None
         return tree
 

@@ -28,10 +28,14 @@ def stage_deps(dvc_yaml: Path, stage: str) -> list[str] | None:
 
 
 def stage_params(dvc_yaml: Path, stage: str) -> list[str] | None:
-    """The keys of params.yaml that `stage` lists under `params:` in `dvc_yaml` (sections or dotted keys; entries
-    naming another params file are left out); None when there is no dvc.yaml."""
+    """The keys of params.yaml that `stage` lists under `params:` in `dvc_yaml` (sections or dotted keys; "" for
+    the whole file, as `- params.yaml:` reads it; entries of other params files are left out); None when there is
+    no dvc.yaml."""
     params = _stage_entry(dvc_yaml, stage, "params")
-    return None if params is None else [str(p) for p in params if isinstance(p, str)]
+    if params is None:
+        return None
+    whole = any(isinstance(p, dict) and not p.get("params.yaml", True) for p in params)
+    return [""] if whole else [str(p) for p in params if isinstance(p, str)]
 
 
 def check_params_unchanged(params_path: Path, stage: str, used: Params) -> None:

@@ -247,3 +247,17 @@ def test_a_stage_whose_params_were_edited_while_it_ran_fails_and_dvc_records_not
     assert "dvc commit train" in out.stderr
     assert not (tmp_path / "dvc.lock").exists()  # nothing recorded: the next `dvc repro` trains again
     assert (tmp_path / "out.txt").read_text() == "0.002"  # the work itself is kept
+
+
+def test_stage_params_reads_keys_and_the_whole_file_form(tmp_path):
+    from diffusion_pipe.config import changed_params
+    from diffusion_pipe.dvcfile import stage_params
+
+    (tmp_path / "dvc.yaml").write_text("stages:\n  train:\n    cmd: x\n    params: [model, train.steps]\n"
+                                       "  export:\n    cmd: x\n    params:\n      - params.yaml:\n"
+                                       "  other:\n    cmd: x\n    params:\n      - other.yaml: [a]\n")
+    assert stage_params(tmp_path / "dvc.yaml", "train") == ["model", "train.steps"]
+    assert stage_params(tmp_path / "dvc.yaml", "export") == [""]
+    assert stage_params(tmp_path / "dvc.yaml", "other") == []
+    assert stage_params(tmp_path / "missing.yaml", "train") is None
+    assert changed_params({"scan": {"workers": 1}}, {"scan": {"workers": 2}}, [""]) == ["scan.workers: 1 -> 2"]

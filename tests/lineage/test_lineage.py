@@ -151,9 +151,10 @@ def test_caption_edit_is_named_before_and_after_the_scan_and_leads_the_diff(pipe
     assert "ok     encoded table data/encoded.parquet" in result.output  # encode has not re-run yet
     assert "2 of " in result.output
 
-    # a second real export from the changed repository, with a changed param: --diff leads with both causes
+    # a second real export from the changed repository, with a changed param: --diff leads with both causes (an
+    # export param: export refuses a train param the LoRA was not trained with)
     params = copy / "params.yaml"
-    params.write_text(params.read_text().replace("learning_rate: 2.0e-3", "learning_rate: 1.0e-3"))
+    params.write_text(params.read_text().replace("merged: true", "merged: false"))
     stage("export", copy, store, monkeypatch)
     second = read_lineage(copy / "artifacts/shapes-lora.lineage.json")
     assert "export" not in second["dvc_lock"] and set(second["dvc_lock_omitted"]) == {"scan", "encode"}
@@ -167,7 +168,7 @@ def test_caption_edit_is_named_before_and_after_the_scan_and_leads_the_diff(pipe
     assert groups[:3] == ["params (1)", "captions (1)", "code (1)"], groups
     assert "  git.dirty: false -> true" in result.output
     assert "  dvc_lock.scan: recorded (" in result.output  # the second export's record left it out
-    assert "  params.train.learning_rate: 0.002 -> 0.001" in result.output
+    assert "  params.export.merged: true -> false" in result.output
     assert "  inputs.manifest.xxh3_128: " in result.output
     assert "inputs.encoded" not in result.output and "base_model" not in result.output
     assert "dvc_lock.export" not in result.output
