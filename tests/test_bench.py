@@ -118,3 +118,24 @@ def test_the_lora_fusion_bench_computes_one_function_three_ways_and_sees_what_bf
     small, large = (fusion.retained(256, 256, 64, 4, ratio, "cpu") for ratio in (3e-4, 3e-2))
     assert small["peft"] < 0.5 and small["fused"] < 0.5 and small["addmm"] > 0.9
     assert all(0.97 < share < 1.03 for share in large.values())
+
+
+def test_the_train_bench_refuses_ratios_against_a_plain_loop_that_compiling_did_not_speed_up():
+    """Issue 35: the bench's compiled plain loop gained 1.00x and every "x plain" figure rested on it. On a GPU a
+    compile gain under MIN_COMPILE_GAIN refuses the ratios (the bench exits 1); a sound pair gives them."""
+    from bench_train import MIN_COMPILE_GAIN, check_baselines
+
+    def run(plain_eager: float, plain_compiled: float) -> dict:
+        return {"eager": {"plain": {"step_seconds": plain_eager}, "plain-diffusers": {"step_seconds": 0.70}},
+                "compile": {"plain": {"step_seconds": plain_compiled}, "plain-diffusers": {"step_seconds": 0.46},
+                            "ours": {"step_seconds": 0.40}}}
+
+    broken = check_baselines(run(0.579, 0.582), "cuda")
+    assert not broken["ok"] and not broken["ratios"]
+    assert "REFUSED: plain gained less than 1.2x" in broken["lines"][-1]
+    assert check_baselines(run(0.579, 0.579 / (MIN_COMPILE_GAIN * 1.001)), "cuda")["ok"]
+    sound = check_baselines(run(0.60, 0.45), "cuda")
+    assert sound["ok"] and sound["ratios"] == pytest.approx({"plain": 0.45 / 0.40, "plain-diffusers": 0.46 / 0.40})
+    assert sound["gains"]["plain-diffusers"] == pytest.approx(0.70 / 0.46)
+    cpu = check_baselines(run(0.579, 0.582), "cpu")
+    assert cpu["ok"] and not cpu["ratios"] and cpu["lines"][-1].startswith("no ratio on the CPU")
