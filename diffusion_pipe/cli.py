@@ -48,22 +48,45 @@ main.add_command(lineage_cli)
                                              "of adding this one beside them.")
 @click.option("--model", default=None, help="Also point model.path here: a local diffusers directory (added to "
                                             "the deps of the stages that read it) or a hub id.")
-@click.option("--family", default=None, help="With --model: the model family (`diffusion-pipe models`).")
+@click.option("--family", default=None, help="With --model: the model family (`diffusion-pipe models`); also "
+                                             "picks its GPU preset for this machine's card (or --vram).")
+@click.option("--vram", type=click.FloatRange(min=1), default=None,
+              help="With --family: the GPU's memory in GB to pick a preset for (default: this machine's first GPU).")
+@click.option("--no-preset", is_flag=True, help="With --family: keep params.yaml's own train settings.")
 @click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True)
 def init_command(dataset: Path, name: str, resolutions: tuple[int, ...], repeats: int, caption_policy: str,
                  default_caption: str, eval_fraction: float, replace: bool, model: str | None, family: str | None,
-                 repo: Path) -> None:
-    """Add your DATASET directory (and --model) to params.yaml and dvc.yaml, keeping both files' comments."""
+                 vram: float | None, no_preset: bool, repo: Path) -> None:
+    """Add your DATASET directory (and --model) to params.yaml and dvc.yaml, keeping both files' comments; with
+    --family, also the family's settings for your GPU (examples/*/params-<N>gb.yaml)."""
     from diffusion_pipe.cli_support import user_errors
+    from diffusion_pipe.presets import choose_preset, detected_vram_gb, family_presets
     from diffusion_pipe.project import init_project
+
+    if family and model is None:
+        raise click.UsageError("--family goes with --model: the checkpoint of that family to train")
 
     entry = {"name": name, "repeats": repeats, "resolutions": list(resolutions), "caption_policy": caption_policy,
              "default_caption": default_caption, "eval_fraction": eval_fraction}
     entry = {k: v for k, v in entry.items() if v not in ("", None)}
     try:
-        changes, survey = init_project(repo, dataset, entry, replace=replace, model=model, family=family)
+        preset, card = None, vram or (detected_vram_gb() if family and not no_preset else None)
+        if family and not no_preset and card is None:
+            click.echo("no CUDA GPU here: params.yaml's train settings are kept; pass --vram N (GB) to take "
+                       f"{family}'s preset for the card you will train on", err=True)
+        elif family and not no_preset:
+            from diffusion_pipe.models import adapter_class
+
+            adapter_class(family)  # an unknown family is an error naming the known ones
+            preset = choose_preset(family_presets(family), card, family)
+        changes, survey = init_project(repo, dataset, entry, replace=replace, model=model, family=family,
+                                       preset=preset)
     except user_errors() as exc:
         raise click.ClickException(str(exc)) from None
+    if preset is not None:
+        click.echo(f"preset: {preset.path.parent.name}/{preset.path.name}, for {preset.vram_gb} GB cards "
+                   f"({'--vram' if vram else 'this GPU'}: {card:.1f} GB). What it says of itself:")
+        click.echo("\n".join(f"  {line}" for line in preset.header.splitlines()))
     for line in changes:
         click.echo(line)
     click.echo(f"{dataset}: {survey.images} images, {survey.videos} videos, {len(survey.uncaptioned)} without a "

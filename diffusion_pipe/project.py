@@ -16,6 +16,7 @@ from typing import Any
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.fileio import write_bytes_atomic
+from diffusion_pipe.presets import Preset, apply_preset
 
 # Stages that read the model's weights: a local model directory is a dep of each that dvc.yaml has.
 MODEL_STAGES = ("encode", "train", "export", "sample")
@@ -123,9 +124,11 @@ def set_model(params: dict, dvc: dict, model_path: str, family: str | None, loca
 
 
 def init_project(repo: Path, dataset: Path, entry: dict[str, Any], replace: bool = False,
-                 model: str | None = None, family: str | None = None) -> tuple[list[str], DatasetSurvey]:
-    """Edit `repo`'s params.yaml and dvc.yaml for `dataset` (and `model`), keeping their comments; returns the
-    changes made and a survey of the dataset. Nothing is written when anything is wrong."""
+                 model: str | None = None, family: str | None = None,
+                 preset: Preset | None = None) -> tuple[list[str], DatasetSurvey]:
+    """Edit `repo`'s params.yaml and dvc.yaml for `dataset` (and `model`, and a GPU `preset`'s sections), keeping
+    their comments; returns the changes made and a survey of the dataset. Nothing is written when anything is
+    wrong."""
     from ruamel.yaml import YAML
 
     if not dataset.is_dir():
@@ -149,6 +152,8 @@ def init_project(repo: Path, dataset: Path, entry: dict[str, Any], replace: bool
     if model is not None:
         local = Path(model).is_dir()
         changes += set_model(params, dvc, repo_relative(Path(model), repo) if local else model, family, local)
+    if preset is not None:
+        changes += apply_preset(params, yaml.load(preset.path.read_text()))
 
     texts = {}
     for path, doc in ((params_file, params), (dvc_file, dvc)):

@@ -99,3 +99,45 @@ def test_init_twice_is_refused(repo_and_data):
     assert init(repo, data).exit_code == 0
     result = init(repo, data)
     assert result.exit_code != 0 and "already listed" in result.output
+
+
+def test_presets_are_found_by_their_own_family_and_the_largest_that_fits_is_chosen():
+    from diffusion_pipe.config import ConfigError
+    from diffusion_pipe.presets import choose_preset, family_presets
+
+    flux = family_presets("flux")
+    assert [(p.vram_gb, p.variant) for p in flux] == [(16, "fp8"), (24, ""), (24, "fp8"), (48, ""), (80, "")]
+    assert all(p.path.parent.name == "flux-dev" for p in flux)
+    assert choose_preset(flux, 25.8, "flux").path.name == "params-24gb.yaml"  # a "24 GB" card reports 25.8
+    assert choose_preset(flux, 17.2, "flux").path.name == "params-16gb-fp8.yaml"
+    assert choose_preset(flux, 47.9, "flux").path.name == "params-24gb.yaml"
+    assert choose_preset(flux, 85.5, "flux").path.name == "params-80gb.yaml"
+    assert "0.91 s/step" in choose_preset(flux, 17.2, "flux").header  # what it measured, for the user
+    with pytest.raises(ConfigError, match=r"--vram: a 12 GB card is smaller than every flux preset \(16 GB, 24 GB"):
+        choose_preset(flux, 12, "flux")
+    with pytest.raises(ConfigError, match=r"--family sdxl: no GPU presets ship for it"):
+        choose_preset(family_presets("sdxl"), 24, "sdxl")
+    assert {p.vram_gb for p in family_presets("wan_i2v")} == {24, 80}
+
+
+def test_init_with_a_family_writes_its_preset_for_the_card_comments_and_all(repo_and_data, tiny_flux_dir):
+    from diffusion_pipe.params import load_params
+
+    repo, data = repo_and_data
+    result = init(repo, data, "--model", tiny_flux_dir, "--family", "flux", "--vram", "24")
+    assert result.exit_code == 0, result.output
+    assert "preset: flux-dev/params-24gb.yaml, for 24 GB cards (--vram: 24.0 GB)" in result.output
+    assert "  Flux.1-dev LoRA for a GPU with 24 GB (proven by" in result.output
+    params = load_params(repo / "params.yaml")
+    assert (params.train.blocks_to_swap, params.train.compile, params.train.lora_rank) == (20, True, 32)
+    assert params.model.path == str(tiny_flux_dir) and params.model.family == "flux"
+    assert params.scan.datasets[-1].path == str(data)  # the user's dataset, not the preset's placeholder
+    assert "# frozen weights of 20 blocks wait in CPU memory" in (repo / "params.yaml").read_text()
+    none = init(repo_and_data[0], data, "--model", tiny_flux_dir, "--family", "flux", "--vram", "8", "--replace")
+    assert none.exit_code != 0 and "smaller than every flux preset" in none.output
+
+
+def test_init_family_needs_a_model(repo_and_data):
+    repo, data = repo_and_data
+    result = init(repo, data, "--family", "flux")
+    assert result.exit_code == 2 and "--family goes with --model" in result.output
