@@ -296,6 +296,19 @@ def sample_share(report: dict, section: dict, steps: int, every_steps: tuple[int
     return out
 
 
+def source_commit() -> str | None:
+    """The commit of the code being measured: git's HEAD (with "+dirty" for uncommitted changes), else
+    $DIFFUSION_PIPE_COMMIT (a copy without .git, as on a lent GPU machine), else None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DIFFUSION_PIPE_COMMIT")
+
+
 def matmul_peak(device: str) -> float | None:
     """bf16 matmul FLOP/s on 8192^3 in this run (the utilisation denominator)."""
     if device != "cuda":
@@ -343,7 +356,9 @@ def main() -> None:
     print(f"model and data written in {time.perf_counter() - started:.0f} s to {work}", flush=True)
     results: dict = {"shape": args.shape, "steps": args.steps, "device": args.device,
                      "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                     "torch": torch.__version__, "peak_flops": matmul_peak(args.device), "base_dtype": args.base_dtype}
+                     "torch": torch.__version__, "cuda": torch.version.cuda, "peak_flops": matmul_peak(args.device),
+                     "base_dtype": args.base_dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "command": "python bench/bench_train.py " + " ".join(sys.argv[1:]), "commit": source_commit()}
     for variant in args.variants.split(","):
         spec = VARIANTS[variant]
         if variant == "samples":
