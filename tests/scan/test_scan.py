@@ -111,6 +111,20 @@ def test_outdated_cache_is_ignored(tmp_path: Path, ds: Path) -> None:
     assert report["run"]["files_probed"] == 2
 
 
+def test_a_cache_of_another_cache_version_is_not_read(tmp_path: Path, ds: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results probed by other code (CACHE_VERSION: probing or caption rules changed meaning) are probed again."""
+    from diffusion_pipe.scan import cache
+
+    make_image(ds / "a.png")
+    with monkeypatch.context() as patched:
+        patched.setattr(cache, "CACHE_VERSION", cache.CACHE_VERSION - 1)
+        run(tmp_path, params_for(ds))
+    (tmp_path / "out" / "cache.last-scan.json").unlink()  # else the unchanged rescan reuses the last scan whole
+    _, report, _ = run(tmp_path, params_for(ds))
+    assert (report["run"]["files_probed"], report["run"]["files_cached"]) == (2, 0)
+
+
 def test_unchanged_rescan_reuses_the_last_scan_and_any_change_does_not(tmp_path: Path, ds: Path) -> None:
     small_dataset(ds)
     params = params_for(ds, frames=(1, 8))
