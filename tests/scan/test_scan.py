@@ -265,6 +265,25 @@ def test_bad_files_are_excluded_not_fatal(tmp_path: Path, ds: Path) -> None:
     assert any("sub/up" in w and "already scanned" in w for w in report["warnings"])
 
 
+def test_a_png_named_mp4_does_not_stop_an_image_familys_encode(tmp_path: Path, ds: Path, tiny_flux_dir: Path,
+                                                               store_env: Path) -> None:
+    """FFmpeg reads a PNG named .mp4 as a one-frame video; as an ok 'video' row it stopped a Flux encode (a
+    family of images). The scan excludes it, so encode plans the rest."""
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.encode.encode import plan_samples
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import EncodeParams, ModelParams
+
+    make_image(ds / "a.png", size=(64, 64))
+    make_image(ds / "still.png", size=(64, 64), color=(9, 9, 9), caption="a still image")
+    (ds / "still.png").rename(ds / "still.mp4")
+    run(tmp_path, params_for(ds, resolutions=(64,), scan={"bucket_step": 16}))
+    manifest = pq.read_table(tmp_path / "out" / "manifest.parquet")
+    model = from_dict(ModelParams, {"family": "flux", "path": str(tiny_flux_dir)}, "model")
+    samples = plan_samples(manifest, load_adapter(model), model, from_dict(EncodeParams, {}, "encode"))
+    assert [s.path for s in samples] == ["a.png"]
+
+
 def test_identical_scans_write_identical_reports(tmp_path: Path, ds: Path) -> None:
     """Every detail of an excluded file is the same on every run: no object address (Pillow quotes its input as
     `<_io.BytesIO object at 0x7f...>`), whichever process probed it."""
