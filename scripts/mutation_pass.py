@@ -816,6 +816,11 @@ MUTATIONS: list[Mutation] = [
              '{"version": _VERSION, "params": to_dict(params)}', '{"version": _VERSION}',
              ("tests/scan/test_scan.py::test_unchanged_rescan_reuses_the_last_scan_and_any_change_does_not",),
              "a changed scan param leaves the last manifest in place"),
+    Mutation("scan-snapshot-rows-ignore-inputs", "diffusion_pipe/scan/snapshot.py",
+             'if not cache_digest or record.get("inputs") != inputs or record.get("cache_digest") != cache_digest:',
+             'if not cache_digest or record.get("cache_digest") != cache_digest:',
+             ("tests/scan/test_incremental.py::test_other_params_rebuild_every_row",),
+             "after a param change the last scan's rows are patched, keeping the old param's values"),
 ]
 
 
