@@ -11,8 +11,8 @@ datasets, extra copies, how many were excluded), ignored_files (neither media no
 (files probed vs reused from the cache, workers, seconds): the only part that differs between identical scans.
 
 What the scan prints goes through `printable`: a file name may hold a newline or an ESC sequence, which printed
-raw would forge lines of the summary or drive the terminal. The JSON report needs no such care (JSON escapes
-control characters).
+raw would forge lines of the summary or drive the terminal. In the JSON report, JSON escapes the C0 controls
+(newline, ESC); DEL and C1 characters of a file name stay as they are there (a caption can't hold them).
 """
 
 from __future__ import annotations
