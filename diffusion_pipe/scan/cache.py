@@ -22,7 +22,9 @@ from diffusion_pipe.scan.files import StatKey
 from diffusion_pipe.scan.media import Probe
 
 # Bump when probing or caption normalisation changes meaning, so old results are not reused.
-CACHE_VERSION = 1
+# 2: 'wrong_extension' (a PNG named .mp4 is no longer a one-frame video), 'caption_control_character', details
+# without object addresses or paths.
+CACHE_VERSION = 2
 _META_KEY = b"diffusion_pipe.scan_cache"
 
 CacheKey = tuple[str, str, str]  # (dataset, rel path, 'media' | 'caption')

@@ -8,6 +8,12 @@ with reason 'caption_not_utf8' whatever the policy: guessing an encoding would t
 report names the file so it can be fixed.
 A caption file over `scan.max_caption_bytes` excludes its item with reason 'caption_too_long', and no more
 than the limit is read (a 50 MB caption took 3.7 GB of memory in encode).
+Control characters: tab, newline and carriage return are whitespace (normalised as above); any other control
+character (C0: NUL, ESC, ..., DEL, or C1: U+0080-U+009F) excludes the item with reason
+'caption_control_character', the detail naming the first one and where it is. Such bytes are no text a model
+should learn, and an ESC sequence printed to a terminal changes what the terminal shows; the caption is not
+quietly cleaned, so what trains is what the file says. `caption_prefix` and `default_caption` follow the same
+rule (a ConfigError).
 
 Tag shuffling (`shuffle_tags` on a dataset): a caption's tags (split at `tag_separator`, blank ones dropped) are
 also written in `shuffle_tags` other orders, the first `keep_tags` tags and the `caption_prefix` staying in
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,14 +34,23 @@ from diffusion_pipe.hashing import hash_json
 
 CaptionSource = Literal["txt", "default", "none"]
 
+# Control characters a caption may not hold: C0 but tab, newline and carriage return; DEL; C1.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
 
 @dataclass(frozen=True)
 class CaptionRead:
     """The outcome of reading one `.txt`: normalised text ('' if empty), or a reason it can't be used."""
 
     text: str = ""
-    reason: str = ""  # '', 'caption_not_utf8', 'caption_unreadable' or 'caption_too_long'
+    reason: str = ""  # '', 'caption_not_utf8', 'caption_control_character', 'caption_unreadable', 'caption_too_long'
     detail: str = ""
+
+
+def control_character(text: str) -> str | None:
+    """Where `text` holds a control character a caption may not ('U+001B at character 5'), or None. Pure."""
+    found = _CONTROL.search(text)
+    return None if found is None else f"U+{ord(found.group()):04X} at character {found.start()}"
 
 
 def normalise_caption(text: str) -> str:
@@ -43,11 +59,17 @@ def normalise_caption(text: str) -> str:
 
 
 def decode_caption(data: bytes) -> CaptionRead:
-    """Decode caption bytes: UTF-8 with an optional BOM, normalised; non-UTF-8 gives reason 'caption_not_utf8'."""
+    """Decode caption bytes: UTF-8 with an optional BOM, normalised; non-UTF-8 gives reason 'caption_not_utf8', a
+    control character other than tab, newline or carriage return reason 'caption_control_character'."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         return CaptionRead(reason="caption_not_utf8", detail=f"not UTF-8: byte {exc.start}")
+    where = control_character(text)
+    if where is not None:
+        return CaptionRead(reason="caption_control_character",
+                           detail=f"control character {where}; remove it (a caption may hold tab and newline, "
+                                  "no other control character)")
     return CaptionRead(text=normalise_caption(text))
 
 

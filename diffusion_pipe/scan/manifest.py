@@ -2,11 +2,12 @@
 
 Row rules, in order (the first that applies sets `status='excluded'` and `reason`):
 1. the file itself: 'broken_symlink', 'symlink_loop', 'outside_root' (a symlink leaving the dataset root),
-   'not_regular_file', 'unreadable', 'empty_file', 'too_large' (over scan.max_image_pixels), 'corrupt' (fails
-   to decode fully);
-2. the caption: 'caption_not_utf8', 'caption_unreadable', 'caption_outside_root', 'caption_too_long' (over
-   scan.max_caption_bytes), 'missing_caption' (policy 'skip'; with policy
-   'error' the scan raises ScanError instead of writing anything);
+   'not_regular_file', 'unreadable', 'empty_file', 'wrong_extension' (its bytes are an image and its name a
+   video's, or the reverse: media.py), 'too_large' (over scan.max_image_pixels), 'corrupt' (fails to decode
+   fully);
+2. the caption: 'caption_not_utf8', 'caption_control_character' (captions.py), 'caption_unreadable',
+   'caption_outside_root', 'caption_too_long' (over scan.max_caption_bytes), 'missing_caption' (policy 'skip';
+   with policy 'error' the scan raises ScanError instead of writing anything);
 3. the control image, in a dataset with `control` (edit families): 'missing_control' (no file of the control
    directory has the item's relative path without extension), 'control_ambiguous' (several do, e.g. cat.png and
    cat.jpg), 'control_not_image' (a video), or 'control_<reason>' for a control file that fails rule 1

@@ -4,6 +4,17 @@ Still images are checked without decoding their pixels where the format allows (
 Every failure becomes a `Probe` with a `reason` ('corrupt', 'too_large', 'unreadable', ...) and a `detail`
 for the report; probing never raises for bad input, so one bad file cannot stop a scan of 100k.
 `probe_batch` is the unit of work sent to the process pool.
+
+What a file is comes from its bytes, not its name: a file whose bytes are an image while its extension says
+video (a PNG named `.mp4`), or the reverse, is excluded with reason 'wrong_extension' and a detail naming what
+it really is, since encode would otherwise treat a still image as a one-frame clip (and stop an image family's
+encode). Two checks find it: the leading bytes of the common formats (`sniff`), and, for a video extension, the
+demuxer FFmpeg picks (an image demuxer such as `png_pipe` or `image2` means a still image). Within one kind the
+extension may be wrong (a PNG named `.jpg`, an MP4 named `.webm`): both decoders go by the bytes.
+
+A `detail` never holds what differs between identical runs or locations: an exception's text loses Python
+object reprs (`<_io.BytesIO object at 0x7f...>`) and the file's own path (`error_detail`), so
+`reports/scan.json` is the same for the same files.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,6 +44,20 @@ _IN_MEMORY_BYTES = 64 << 20
 # Browsers show GIF/WebP frames with a delay of <= 10 ms for 100 ms; we measure fps the way they play it.
 _MIN_FRAME_MS = 10
 _DEFAULT_FRAME_MS = 100
+
+
+# FFmpeg demuxers of still images: a "video" that one of them opens is a picture with a video's extension.
+_IMAGE_DEMUXERS = frozenset({"image2", "image2pipe", "gif", "apng", "ico", "webp", "jpegxl_anim"})
+# ISO-media brands of still images (AVIF, HEIC): an `ftyp` box with one of these is not a video.
+_HEIF_BRANDS = frozenset({b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"})
+# Bytes read to identify a file by its signature (`sniff`).
+SNIFF_BYTES = 64
+# A Python object's default repr (`<_io.BytesIO object at 0x7f...>`), which exceptions may quote: it changes from
+# run to run, so it must not reach a detail.
+_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
+# What is left at the end of PyAV's "...input: '<none>'" (input from memory) or "...input: '/a/b.mp4'" (from disk,
+# once the path is cut): nothing of it belongs in a detail.
+_EMPTY_QUOTE = re.compile(r"""[:\s]*(''|'<none>'|"")?\s*$""")
 
 
 def media_kind(path: str | PurePath) -> MediaKind | None:
@@ -60,6 +86,62 @@ class Probe:
     fps: float = 0.0
     reason: str = ""
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class Sniffed:
+    """What a file's leading bytes say it is: its kind, a name for people ("a PNG image"), the extension it
+    should have."""
+
+    media: MediaKind
+    name: str
+    extension: str
+
+
+def sniff(head: bytes) -> Sniffed | None:
+    """The format of a file from its first `SNIFF_BYTES` bytes, for the common image and video formats; None when
+    they match no signature known here (FFmpeg or Pillow may still read the file). Pure.
+
+    Animated GIF/WebP/PNG are 'image' here (their extensions are image extensions; `probe_media` makes them
+    videos by decoding)."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return Sniffed("image", "a PNG image", ".png")
+    if head.startswith(b"\xff\xd8\xff"):
+        return Sniffed("image", "a JPEG image", ".jpg")
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return Sniffed("image", "a GIF image", ".gif")
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return Sniffed("image", "a WebP image", ".webp")
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return Sniffed("image", "a TIFF image", ".tif")
+    # "BM" alone is two common letters: also ask for a known DIB header size after the 14-byte file header.
+    if head[:2] == b"BM" and len(head) >= 18 and int.from_bytes(head[14:18], "little") in (12, 40, 52, 56, 64, 108,
+                                                                                          124):
+        return Sniffed("image", "a BMP image", ".bmp")
+    if head[4:8] == b"ftyp" and head[8:12] not in _HEIF_BRANDS:
+        return Sniffed("video", "an MP4/QuickTime video", ".mov" if head[8:12] == b"qt  " else ".mp4")
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML: Matroska, or WebM (its doctype says which)
+        return Sniffed("video", "a WebM video", ".webm") if b"webm" in head else Sniffed("video", "a Matroska video",
+                                                                                       ".mkv")
+    return None
+
+
+def _wrong_extension(base: Probe, path: str, what: str, claimed: MediaKind, fix: str) -> Probe:
+    """`base` excluded as 'wrong_extension': its bytes are `what`, its extension says `claimed`."""
+    ext = os.path.splitext(path)[1]
+    said = "a video" if claimed == "video" else "an image"
+    return _replace(base, reason="wrong_extension",
+                    detail=f"the bytes are {what}, not {said} as the extension {ext} says; {fix}")
+
+
+def error_detail(exc: BaseException, path: str | None = None) -> str:
+    """'ExceptionType: message' for a report's detail, the same on every run and at every location: Python object
+    reprs (which hold memory addresses) and the file's own `path` (the report names the file already) are cut."""
+    text = _OBJECT_REPR.sub("", str(exc))
+    if path:
+        text = text.replace(repr(path), "").replace(path, "")
+    text = _EMPTY_QUOTE.sub("", text)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @contextlib.contextmanager
@@ -106,7 +188,7 @@ def _check_whole(img: Any, src: BinaryIO | str) -> None:
         img.load()
 
 
-def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int) -> Probe:
+def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int, path: str) -> Probe:
     from PIL import Image
 
     try:
@@ -130,16 +212,20 @@ def _probe_image(src: BinaryIO | str, base: Probe, max_pixels: int) -> Probe:
             _check_whole(img, src)
             return _replace(base, media="image", width=width, height=height, num_frames=1, fps=0.0)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        return _replace(base, reason="too_large", detail=str(exc))
+        return _replace(base, reason="too_large", detail=error_detail(exc, path))
     except Exception as exc:  # Pillow raises many types on bad data (OSError, SyntaxError, ValueError, ...)
-        return _replace(base, reason="corrupt", detail=f"{type(exc).__name__}: {exc}")
+        return _replace(base, reason="corrupt", detail=error_detail(exc, path))
 
 
-def _probe_video(src: BinaryIO | str, base: Probe) -> Probe:
+def _probe_video(src: BinaryIO | str, base: Probe, path: str) -> Probe:
     import av
 
     try:
         with av.open(src) as container:
+            demuxer = container.format
+            if demuxer.name in _IMAGE_DEMUXERS or demuxer.name.endswith("_pipe"):
+                return _wrong_extension(base, path, f"a still image ({demuxer.long_name})", "video",
+                                        "rename it to its image format's extension")
             if not container.streams.video:
                 return _replace(base, reason="corrupt", detail="no video stream")
             stream = container.streams.video[0]
@@ -157,7 +243,7 @@ def _probe_video(src: BinaryIO | str, base: Probe) -> Probe:
                     time_base = frame.time_base or stream.time_base
                 n += 1
     except Exception as exc:  # PyAV raises FFmpeg errors of many kinds (InvalidDataError, EOFError, ...)
-        return _replace(base, reason="corrupt", detail=f"{type(exc).__name__}: {exc}")
+        return _replace(base, reason="corrupt", detail=error_detail(exc, path))
     if n == 0:
         return _replace(base, reason="corrupt", detail="no decodable video frame")
     fps = 0.0
@@ -190,8 +276,9 @@ def _replace(base: Probe, **changes: object) -> Probe:
 def probe_media(path: str, max_image_pixels: int) -> Probe:
     """Hash and decode one media file; never raises for bad content (see `Probe.reason`).
 
-    Reasons: 'empty_file', 'unreadable' (open/read failed), 'too_large' (over `max_image_pixels`, checked from
-    the header before decoding), 'corrupt' (anything that fails to decode fully).
+    Reasons: 'empty_file', 'unreadable' (open/read failed), 'wrong_extension' (the bytes are a video and the
+    name an image's, or the reverse; see the module docstring), 'too_large' (over `max_image_pixels`, checked
+    from the header before decoding), 'corrupt' (anything that fails to decode fully).
     """
     kind = media_kind(path)
     assert kind is not None, path
@@ -206,14 +293,20 @@ def probe_media(path: str, max_image_pixels: int) -> Probe:
             size = len(data)
             base = _replace(base, size_bytes=size, content_hash=hash_bytes(data))
             src: BinaryIO | str = io.BytesIO(data)
+            head = data[:SNIFF_BYTES]
         else:
             base = _replace(base, size_bytes=size, content_hash=hash_file(path))
             src = path
+            with open(path, "rb") as fh:
+                head = fh.read(SNIFF_BYTES)
     except OSError as exc:
         return _replace(base, reason="unreadable", detail=f"{type(exc).__name__}: {exc.strerror or exc}")
+    found = sniff(head)
+    if found is not None and found.media != kind:
+        return _wrong_extension(base, path, found.name, kind, f"rename it to {found.extension}")
     if kind == "video":
-        return _probe_video(src, base)
-    return _probe_image(src, base, max_image_pixels)
+        return _probe_video(src, base, path)
+    return _probe_image(src, base, max_image_pixels, path)
 
 
 @dataclass(frozen=True)

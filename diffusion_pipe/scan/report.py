@@ -9,6 +9,10 @@ excluded_examples (first paths per reason, with the error), excluded_first (the 
 order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
 (files probed vs reused from the cache, workers, seconds): the only part that differs between identical scans.
+
+What the scan prints goes through `printable`: a file name may hold a newline or an ESC sequence, which printed
+raw would forge lines of the summary or drive the terminal. In the JSON report, JSON escapes the C0 controls
+(newline, ESC); DEL and C1 characters of a file name stay as they are there (a caption can't hold them).
 """
 
 from __future__ import annotations
@@ -23,6 +27,25 @@ import pyarrow.compute as pc
 from diffusion_pipe.scan.manifest import DatasetSpec
 
 _EXAMPLES = 5  # paths listed per reason / duplicate group, enough to find the problem without a huge report
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on one terminal line: a backslash doubled, and every character that is not printable
+    (control characters, line and paragraph separators, format characters such as U+202E that reorder the
+    line) written as a Python escape (`\\n`, `\\x1b`, `\\u202e`). Printable text, non-ASCII included, is unchanged."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
 
 
 def _tally(values: pa.ChunkedArray | pa.Array) -> dict[str, int]:
@@ -133,7 +156,7 @@ def build_report(
 
 def summary_lines(report: dict[str, Any], manifest_path: str, report_path: str = "reports/scan.json") -> list[str]:
     """A few human-readable lines for stderr: the counts, then the first excluded files with their reasons, so
-    why data was dropped shows at once, and where the rest are listed."""
+    why data was dropped shows at once, and where the rest are listed. Each line is `printable`."""
     reasons = ", ".join(f"{k} {v}" for k, v in report["excluded_by_reason"].items())
     run = report["run"]
     lines = [
@@ -155,4 +178,4 @@ def summary_lines(report: dict[str, Any], manifest_path: str, report_path: str =
                      f"{manifest_path} with status 'excluded' and its reason, the first {_EXAMPLES} per reason "
                      f"are in {report_path} (excluded_examples)")
     lines += [f"scan: warning: {w}" for w in report["warnings"]]
-    return lines
+    return [printable(line) for line in lines]  # names and details come from the files: one line each

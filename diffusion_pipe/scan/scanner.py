@@ -25,13 +25,13 @@ from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
 from diffusion_pipe.params import ScanParams
 from diffusion_pipe.scan.buckets import bucket_layout, rounding_note
 from diffusion_pipe.scan.cache import ENVIRONMENT_REASONS, CacheKey, StatCache, load_cache, rows_mask, save_cache
-from diffusion_pipe.scan.captions import CaptionRead
+from diffusion_pipe.scan.captions import CaptionRead, control_character
 from diffusion_pipe.scan.errors import ScanError
 from diffusion_pipe.scan.files import Listing, StatKey, list_dataset
 from diffusion_pipe.scan.manifest import (ROWS_SCHEMA, DatasetSpec, Row, build_rows, item_stem, manifest_bytes,
                                           mark_duplicates, rows_table, sort_rows, table_rows)
 from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS, Probe, Task, probe_batch
-from diffusion_pipe.scan.report import build_report, summary_lines
+from diffusion_pipe.scan.report import build_report, printable, summary_lines
 from diffusion_pipe.scan.snapshot import Snapshot, fingerprint, inputs_key
 
 _MAX_BATCH = 256  # files per pool task: large enough to amortise IPC, small enough to balance the cores
@@ -58,6 +58,11 @@ def resolve_datasets(params: ScanParams) -> list[DatasetSpec]:
         if ds.caption_extension.lower() in (*IMAGE_EXTS, *VIDEO_EXTS):
             raise ConfigError(f"{where}.caption_extension: {ds.caption_extension!r} is a media extension; captions "
                               "need one of their own, such as '.txt' or '.caption'")
+        for key in ("caption_prefix", "default_caption"):  # the rule of caption files (captions.py)
+            found = control_character(getattr(ds, key))
+            if found is not None:
+                raise ConfigError(f"{where}.{key}: {getattr(ds, key)!r} holds control character {found}; remove it "
+                                  "(a caption may hold tab and newline, no other control character)")
         layouts = tuple(
             bucket_layout(res, params.bucket_step, params.min_aspect, params.max_aspect) for res in ds.resolutions
         )
@@ -292,9 +297,10 @@ def _check_captions(rows: Any, specs: Sequence[DatasetSpec]) -> None:
         missing = rows["path"].filter(pc.and_(pc.equal(rows["dataset"], spec.name),
                                               pc.equal(rows["reason"], "missing_caption"))).to_pylist()
         if missing:
-            shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
+            # file names may hold newlines or ESC sequences: printed escaped, one problem a line
+            shown = ", ".join(map(printable, missing[:_SHOWN])) + (", ..." if len(missing) > _SHOWN else "")
             problems.append(
-                f"dataset {spec.name!r} ({spec.root}): {len(missing)} item(s) have no caption (no "
+                f"dataset {spec.name!r} ({printable(spec.root)}): {len(missing)} item(s) have no caption (no "
                 f"{spec.params.caption_extension} beside them, or an empty one): {shown}. Write a "
                 f"{spec.params.caption_extension} with the same base name for each, or set "
                 f"caption_policy to 'default' (with default_caption) or 'skip' in params.yaml scan.datasets[{i}]"

@@ -78,3 +78,25 @@ def test_a_large_png_is_checked_without_decoding_its_pixels(tmp_path):
     path = write_big_png(tmp_path / "big.png", 8000, 8000)
     out = subprocess.run([sys.executable, "-c", PROBE_MEMORY, str(path)], capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) < 50, out.stdout  # MB of peak memory added by the probe
+
+
+def test_a_changed_limit_rereads_through_the_stat_cache(tmp_path, ds):
+    """The stat cache holds probe results under the limits they were made with: raising max_caption_bytes or
+    max_image_pixels re-reads what the lower limit excluded, and lowering it excludes what it let through."""
+    from diffusion_pipe.scan import scan_to_files
+
+    make_image(ds / "long.png", caption="x" * 5000)
+    make_image(ds / "wide.png", size=(100, 50), color=(1, 2, 3), caption="wide")
+    out = tmp_path / "out"
+
+    def reasons(**scan: int) -> dict[str, str]:
+        report = scan_to_files(params_for(ds, scan=scan), out / "m.parquet", out / "scan.json", out / "cache.parquet")
+        return {**report["excluded_by_reason"], "ok": report["ok"]}
+
+    both = {"caption_too_long": 1, "too_large": 1, "ok": 0}
+    assert reasons(max_caption_bytes=4096, max_image_pixels=4999) == both
+    # one limit at a time (the defaults: 64 KiB, 16 megapixels)
+    assert reasons(max_caption_bytes=4096) == {"caption_too_long": 1, "ok": 1}  # pixels raised
+    assert reasons() == {"ok": 2}  # caption bytes raised
+    assert reasons(max_image_pixels=4999) == {"too_large": 1, "ok": 1}  # pixels lowered
+    assert reasons(max_caption_bytes=4096, max_image_pixels=4999) == both  # caption bytes lowered

@@ -101,3 +101,5 @@ def test_control_directory_must_exist_and_lie_outside_the_dataset(tmp_path):
     with pytest.raises(ConfigError, match=r"scan.datasets\[0\].control: .* contain one another; keep the control "
                                           r"images in a directory beside"):
         _scan(tmp_path, ds, ds / "control")
+    with pytest.raises(ConfigError, match=r"scan.datasets\[0\].control: .* contain one another"):
+        _scan(tmp_path, ds, tmp_path)  # the dataset inside its control directory

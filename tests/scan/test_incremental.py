@@ -131,3 +131,59 @@ def test_copies_in_other_datasets_all_train(tmp_path):
     assert report["datasets"]["a"]["ok"] == 1 and report["datasets"]["b"]["ok"] == 1
     assert report["duplicates"]["excluded"] == 1 and report["excluded_examples"]["duplicate"] == \
         ["b/z.png (same content as y.png)"]
+
+
+def test_each_part_of_the_stat_key_alone_marks_a_file_changed(tmp_path):
+    """A file is re-probed when any one of its size, mtime_ns and inode changed, the other two as they were: a
+    copy that keeps mtimes (`cp -p`, rsync), an edit in place of the same size, an edit whose mtime was put back."""
+    from PIL import Image
+
+    ds = tmp_path / "ds"
+    colours = iter((i, 2 * i, 3 * i) for i in range(1, 100))
+
+    def bmp(path: Path, size: tuple[int, int] = (8, 8)) -> bytes:
+        Image.new("RGB", size, next(colours)).save(path, format="BMP")  # the size on disk depends only on the size
+        return path.read_bytes()
+
+    ds.mkdir()
+    for name in ("inode", "mtime", "size"):
+        bmp(ds / f"{name}.bmp")
+        (ds / f"{name}.txt").write_text(name)
+        os.utime(ds / f"{name}.bmp", ns=(10**18, 10**18))
+    params = ScanParams(datasets=(DatasetParams(path=str(ds)),), workers=1)
+    _scan(tmp_path / "out", params)
+
+    new = tmp_path / "new.tmp"  # beside the dataset: moved in by a rename
+    bmp(new)  # same size, same mtime, another inode
+    os.utime(new, ns=(10**18, 10**18))
+    new.replace(ds / "inode.bmp")
+    st = (ds / "mtime.bmp").stat()
+    with open(ds / "mtime.bmp", "r+b") as fh:  # same size, same inode, another mtime
+        fh.write(bmp(new))
+    os.utime(ds / "mtime.bmp", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with open(ds / "size.bmp", "r+b") as fh:  # same mtime, same inode, another size
+        fh.truncate()
+        fh.write(bmp(new, size=(9, 9)))
+    os.utime(ds / "size.bmp", ns=(10**18, 10**18))
+    report = _rescan_equals_a_fresh_scan(tmp_path, params, rebuilt=3)
+    assert report["run"]["files_probed"] == 3
+
+
+def test_what_only_the_listing_shows_reaches_a_rescan(tmp_path, world):
+    """A rescan reuses the last scan whole only if its listing is the same, including what has no stat key: files
+    that are neither media nor captions (counted), why a file can't be stat'ed, and the walk's warnings."""
+    plain, _, params = world
+    first, _ = _scan(tmp_path / "out", params)
+    broken = 1  # the dangling symlink: never in the stat cache, its row is rebuilt on every rescan
+    (plain / "notes.md").write_text("not media")
+    report = _rescan_equals_a_fresh_scan(tmp_path, params, rebuilt=broken)
+    assert report["ignored_files"] == first["ignored_files"] + 1
+    (plain / "dangling.png").unlink()
+    (plain / "dangling.png").symlink_to("dangling.png")  # a link to itself: a loop instead of a missing target
+    report = _rescan_equals_a_fresh_scan(tmp_path, params, rebuilt=broken)
+    assert report["excluded_by_reason"]["symlink_loop"] == 1 and "broken_symlink" not in report["excluded_by_reason"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (plain / "elsewhere").symlink_to(outside)  # a directory link out of the root: skipped, with a warning
+    report = _rescan_equals_a_fresh_scan(tmp_path, params, rebuilt=broken)
+    assert any("elsewhere" in w and "outside the dataset root" in w for w in report["warnings"])

@@ -124,3 +124,70 @@ def test_file_hash_matches_hash_of_bytes(tmp_path: Path, size: int) -> None:
     path = tmp_path / "blob.bin"
     path.write_bytes(data)
     assert hash_file(path) == hash_bytes(data)
+
+
+def _renamed(tmp_path: Path, source: Path, name: str) -> str:
+    """`source`'s bytes under another name (the extension is what lies)."""
+    target = tmp_path / "renamed" / name
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(source.read_bytes())
+    return str(target)
+
+
+@pytest.mark.parametrize("made,name,detail", [
+    ("a.png", "a.mp4", "the bytes are a PNG image, not a video as the extension .mp4 says; rename it to .png"),
+    ("a.jpg", "a.MOV", "the bytes are a JPEG image, not a video as the extension .MOV says; rename it to .jpg"),
+    ("anim.gif", "a.mp4", "the bytes are a GIF image, not a video as the extension .mp4 says; rename it to .gif"),
+    ("v.mp4", "a.png", "the bytes are an MP4/QuickTime video, not an image as the extension .png says; rename it "
+                       "to .mp4"),
+    ("v.mkv", "a.jpg", "the bytes are a Matroska video, not an image as the extension .jpg says; rename it to .mkv"),
+])
+def test_bytes_of_the_other_kind_are_a_wrong_extension(tmp_path: Path, made: str, name: str, detail: str) -> None:
+    """A PNG named .mp4 would decode as a one-frame video (FFmpeg's png_pipe) and stop an image family's encode."""
+    if made.endswith((".mp4", ".mkv")):
+        source = make_video(tmp_path / made, n_frames=3, caption=None)
+    elif made == "anim.gif":
+        source = make_animation(tmp_path / made, n_frames=3, duration_ms=50, caption=None)
+    else:
+        source = make_image(tmp_path / made, caption=None)
+    probe = probe_media(_renamed(tmp_path, source, name), LIMIT)
+    assert (probe.reason, probe.detail) == ("wrong_extension", detail)
+    assert probe.content_hash and probe.size_bytes == source.stat().st_size  # hashed like any excluded file
+
+
+def test_an_image_ffmpeg_opens_as_a_video_is_a_wrong_extension(tmp_path: Path) -> None:
+    """A format without a signature known to `sniff` (PPM): FFmpeg's demuxer tells it is a still image."""
+    from PIL import Image
+
+    path = tmp_path / "a.mp4"
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(path, format="PPM")
+    probe = probe_media(str(path), LIMIT)
+    assert probe.reason == "wrong_extension"
+    assert probe.detail == ("the bytes are a still image (piped ppm sequence), not a video as the extension .mp4 "
+                            "says; rename it to its image format's extension")
+
+
+def test_a_wrong_extension_of_the_same_kind_decodes(tmp_path: Path) -> None:
+    """Pillow and FFmpeg go by the bytes: a PNG named .jpg is an image, an MP4 named .webm a video, and an animated
+    GIF named .png the video it is."""
+    png = probe_media(_renamed(tmp_path, make_image(tmp_path / "a.png", caption=None), "a.jpg"), LIMIT)
+    assert (png.media, png.reason, png.width) == ("image", "", 64)
+    mp4 = probe_media(_renamed(tmp_path, make_video(tmp_path / "v.mp4", n_frames=3, caption=None), "v.webm"), LIMIT)
+    assert (mp4.media, mp4.reason, mp4.num_frames) == ("video", "", 3)
+    gif = make_animation(tmp_path / "g.gif", n_frames=3, duration_ms=50, caption=None)
+    assert probe_media(_renamed(tmp_path, gif, "g.png"), LIMIT).media == "video"
+
+
+def test_a_detail_is_the_same_from_memory_and_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow quotes its input (`<_io.BytesIO object at 0x7f...>`, or the path of a file over the in-memory size),
+    PyAV the path: a detail drops both, so reports/scan.json is the same on every run and at every location."""
+    import diffusion_pipe.scan.media as media
+
+    (tmp_path / "junk.png").write_bytes(b"not a png")
+    (tmp_path / "junk.mp4").write_bytes(b"not a video at all")
+    in_memory = [probe_media(str(tmp_path / name), LIMIT).detail for name in ("junk.png", "junk.mp4")]
+    monkeypatch.setattr(media, "_IN_MEMORY_BYTES", 1)  # larger files are decoded from disk, by path
+    from_disk = [probe_media(str(tmp_path / name), LIMIT).detail for name in ("junk.png", "junk.mp4")]
+    assert in_memory == from_disk
+    assert in_memory[0] == "UnidentifiedImageError: cannot identify image file"
+    assert in_memory[1].startswith("InvalidDataError: ") and in_memory[1].endswith("processing input")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -107,6 +109,20 @@ def test_outdated_cache_is_ignored(tmp_path: Path, ds: Path) -> None:
     # Another pixel limit changes what probing means: everything is probed again.
     _, report, _ = run(tmp_path, params_for(ds, scan={"max_image_pixels": 1_000_000}))
     assert report["run"]["files_probed"] == 2
+
+
+def test_a_cache_of_another_cache_version_is_not_read(tmp_path: Path, ds: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results probed by other code (CACHE_VERSION: probing or caption rules changed meaning) are probed again."""
+    from diffusion_pipe.scan import cache
+
+    make_image(ds / "a.png")
+    with monkeypatch.context() as patched:
+        patched.setattr(cache, "CACHE_VERSION", cache.CACHE_VERSION - 1)
+        run(tmp_path, params_for(ds))
+    (tmp_path / "out" / "cache.last-scan.json").unlink()  # else the unchanged rescan reuses the last scan whole
+    _, report, _ = run(tmp_path, params_for(ds))
+    assert (report["run"]["files_probed"], report["run"]["files_cached"]) == (2, 0)
 
 
 def test_unchanged_rescan_reuses_the_last_scan_and_any_change_does_not(tmp_path: Path, ds: Path) -> None:
@@ -231,17 +247,62 @@ def test_bad_files_are_excluded_not_fatal(tmp_path: Path, ds: Path) -> None:
     (ds / "sub").mkdir()
     (ds / "sub" / "up").symlink_to(ds)  # a directory loop: scanned once, with a warning
     os.mkfifo(ds / "pipe.png")  # opening a FIFO would block the scan forever
+    make_image(ds / "still.png", color=(5, 6, 7), caption="a still image named like a clip")
+    (ds / "still.png").rename(ds / "still.mp4")  # FFmpeg reads it as a one-frame video
     rows, report, _ = run(tmp_path, params_for(ds, caption_policy="skip", scan={"max_image_pixels": 300 * 300 - 1}))
     reasons = {r["path"]: r["reason"] for r in rows}
     assert reasons == {
         "broken.mp4": "corrupt", "corrupt.jpg": "corrupt", "empty.png": "empty_file", "gone.png": "broken_symlink",
         "good.png": "", "huge.png": "too_large", "loop1.png": "symlink_loop", "loop2.png": "symlink_loop",
-        "pipe.png": "not_regular_file",
+        "pipe.png": "not_regular_file", "still.mp4": "wrong_extension",
     }
     assert by_path(rows)["gone.png"]["caption"] == "caption of a broken link"
     assert report["excluded_by_reason"] == {"broken_symlink": 1, "corrupt": 2, "empty_file": 1,
-                                            "not_regular_file": 1, "symlink_loop": 2, "too_large": 1}
+                                            "not_regular_file": 1, "symlink_loop": 2, "too_large": 1,
+                                            "wrong_extension": 1}
+    assert report["excluded_examples"]["wrong_extension"] == [
+        "ds/still.mp4 (the bytes are a PNG image, not a video as the extension .mp4 says; rename it to .png)"]
     assert any("sub/up" in w and "already scanned" in w for w in report["warnings"])
+
+
+def test_a_png_named_mp4_does_not_stop_an_image_familys_encode(tmp_path: Path, ds: Path, tiny_flux_dir: Path,
+                                                               store_env: Path) -> None:
+    """FFmpeg reads a PNG named .mp4 as a one-frame video; as an ok 'video' row it stopped a Flux encode (a
+    family of images). The scan excludes it, so encode plans the rest."""
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.encode.encode import plan_samples
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import EncodeParams, ModelParams
+
+    make_image(ds / "a.png", size=(64, 64))
+    make_image(ds / "still.png", size=(64, 64), color=(9, 9, 9), caption="a still image")
+    (ds / "still.png").rename(ds / "still.mp4")
+    run(tmp_path, params_for(ds, resolutions=(64,), scan={"bucket_step": 16}))
+    manifest = pq.read_table(tmp_path / "out" / "manifest.parquet")
+    model = from_dict(ModelParams, {"family": "flux", "path": str(tiny_flux_dir)}, "model")
+    samples = plan_samples(manifest, load_adapter(model), model, from_dict(EncodeParams, {}, "encode"))
+    assert [s.path for s in samples] == ["a.png"]
+
+
+def test_identical_scans_write_identical_reports(tmp_path: Path, ds: Path) -> None:
+    """Every detail of an excluded file is the same on every run: no object address (Pillow quotes its input as
+    `<_io.BytesIO object at 0x7f...>`), whichever process probed it."""
+    make_image(ds / "good.png")
+    for name, data in (("junk.png", b"not a png"), ("junk.webp", b"RIFF1234WEBP no"), ("junk.mp4", b"not a video"),
+                       ("cut.jpg", b"\xff\xd8\xff\xe0 broken"), ("cut.gif", b"GIF89a broken")):
+        (ds / name).write_bytes(data)
+        (ds / name).with_suffix(".txt").write_text(name)
+    make_video(ds / "clip.mp4", n_frames=10)
+    (ds / "clip.mp4").rename(ds / "clip.png")
+    reports = []
+    for workers in (1, 2, 1):  # in this process twice, then in a pool's
+        out = tmp_path / f"out{len(reports)}"
+        scan_to_files(params_for(ds, workers=workers), out / "manifest.parquet", out / "scan.json", None)
+        report = json.loads((out / "scan.json").read_text())
+        reports.append({k: v for k, v in report.items() if k != "run"})
+    assert reports[0] == reports[1] == reports[2]
+    details = json.dumps([reports[0]["excluded_examples"], reports[0]["excluded_first"]])
+    assert reports[0]["excluded"] == 6 and not re.search(r"0x[0-9a-f]{6}", details) and str(ds) not in details
 
 
 @contextlib.contextmanager

@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from diffusion_pipe.scan import ScanError, scan_to_files
 from tests.conftest import REPO
-from tests.scan.conftest import make_image
+from tests.scan.conftest import make_image, params_for
 
 PARAMS = """\
 model:
@@ -65,3 +68,29 @@ def test_no_excluded_files_no_lines(tmp_path: Path) -> None:
     make_image(tmp_path / "ds" / "a.png", caption="fine")
     out = scan_stage(tmp_path)
     assert "scan: excluded" not in out.stderr and "more excluded" not in out.stderr
+
+
+def test_names_and_captions_with_control_characters_print_escaped_one_line_each(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A newline in a file name would forge a summary line, an ESC sequence would drive the terminal: what the scan
+    prints is escaped (`\\n`, `\\x1b`); a caption holding a control character is an excluded row."""
+    ds = tmp_path / "ds"
+    make_image(ds / "ok.png", caption="fine")
+    (ds / "two\nscan: 0 items.png").write_bytes(b"not a png")  # corrupt, and a forged second line
+    make_image(ds / "esc\x1b[2J.png", color=(1, 2, 3), caption=None)  # no caption: missing_caption
+    make_image(ds / "title.png", color=(4, 5, 6), caption="a \x1b]0;pwned\x07 cat")  # sets the terminal's title
+    params = params_for(ds, caption_policy="skip")
+    report = scan_to_files(params, tmp_path / "m.parquet", tmp_path / "scan.json", None)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    summary = [line for line in err.splitlines() if line.strip() and "scan: probing" not in line]
+    assert all(line.startswith("scan: ") for line in summary), summary
+    assert "scan: excluded ds/two\\nscan: 0 items.png: corrupt" in err
+    assert "scan: excluded ds/esc\\x1b[2J.png: missing_caption" in err
+    assert ("scan: excluded ds/title.png: caption_control_character (control character U+001B at character 2; "
+            "remove it") in err
+    assert report["excluded_by_reason"] == {"caption_control_character": 1, "corrupt": 1, "missing_caption": 1}
+    # the error of policy 'error' names the files escaped too
+    with pytest.raises(ScanError, match=r"1 item\(s\) have no caption .*: esc\\x1b\[2J\.png\. Write") as caught:
+        scan_to_files(params_for(ds), tmp_path / "m.parquet", tmp_path / "scan.json", None)
+    assert "\x1b" not in str(caught.value)

@@ -70,3 +70,23 @@ def test_a_dataset_root_that_is_itself_a_symlink_is_its_own_inside(tmp_path):
     rows, _, _ = _scan(tmp_path, link)
     assert rows["real.png"]["status"] == "ok" and rows["z_alias.png"]["reason"] == "duplicate"
     assert rows["outside.png"]["reason"] == "outside_root"
+
+
+def test_a_sibling_whose_name_extends_the_roots_is_outside(tmp_path):
+    """`data/set2` starts with the characters of `data/set` but is not inside it: the root check compares whole
+    path components, so links into the sibling are outside the dataset."""
+    ds, sibling = tmp_path / "set", tmp_path / "set2"
+    sibling.mkdir()
+    (sibling / "secret.txt").write_text("SECRET-TOKEN-1234")
+    make_image(sibling / "private.png", size=(64, 64), color=(1, 2, 3), caption=None)
+    make_image(sibling / "dir" / "inner.png", size=(64, 64), color=(4, 5, 6), caption="inner")
+    make_image(ds / "leak.png", size=(64, 64), color=(7, 8, 9), caption=None)
+    (ds / "leak.txt").symlink_to(sibling / "secret.txt")
+    (ds / "peek.png").symlink_to(sibling / "private.png")
+    (ds / "peek.txt").write_text("a caption of our own")
+    (ds / "more").symlink_to(sibling / "dir")
+    rows, report, data = _scan(tmp_path, ds)
+    assert b"SECRET-TOKEN" not in data
+    assert rows["leak.png"]["reason"] == "caption_outside_root" and rows["peek.png"]["reason"] == "outside_root"
+    assert not any(p.startswith("more/") for p in rows)
+    assert any("more" in w and "outside the dataset root" in w for w in report["warnings"])
