@@ -247,24 +247,20 @@ def params_page(root: type, comments: dict[str, str], fallbacks: dict[str, str] 
 
 
 def _example_files(family: str, root: Path) -> list[Path]:
-    """The params files that train `family`: its tiny example, its real-model examples (examples/<family>/), and
-    the bundled params.yaml where it names the family."""
+    """The bundled example params files that train `family` (`examples/*/params*.yaml` whose `model.family` is it):
+    its tiny example and the real-model ones sized for GPU memory budgets. Not the repository's own params.yaml,
+    which users overwrite with their own."""
+    return [p for p in sorted((root / "examples").glob("*/params*.yaml")) if _model_section(p).get("family") == family]
+
+
+def _model_section(path: Path) -> dict[str, Any]:
     from ruamel.yaml import YAML
 
-    files = []
-    bundled = root / "params.yaml"
-    if bundled.is_file() and (YAML(typ="safe", pure=True).load(bundled.read_text()) or {}).get(
-            "model", {}).get("family") == family:
-        files.append(bundled)
-    files += [p for p in [root / "examples" / f"{family}-tiny" / "params.yaml"] if p.is_file()]
-    files += sorted((root / "examples" / family).glob("params*.yaml"))
-    return files
+    return (YAML(typ="safe", pure=True).load(path.read_text()) or {}).get("model", {}) or {}
 
 
 def _model_keys(path: Path) -> dict[str, Any]:
-    from ruamel.yaml import YAML
-
-    model = (YAML(typ="safe", pure=True).load(path.read_text()) or {}).get("model", {}) or {}
+    model = _model_section(path)
     return {k: model[k] for k in ("path", "transformer", "vae", "base_dtype") if model.get(k)}
 
 
