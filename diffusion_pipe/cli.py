@@ -108,3 +108,21 @@ def make_tiny(family: str, out_dir: Path, seed: int) -> None:
 
     adapter_class(family).build_tiny(out_dir, seed=seed)
     click.echo(f"wrote a tiny {family} model to {out_dir}")
+
+
+@main.command("docs")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 naming each generated page that is stale.")
+def docs_command(check: bool) -> None:
+    """Write the generated pages docs/params.md and docs/models.md (from params.py and the model registry)."""
+    from diffusion_pipe.docs import REGENERATE, stale_pages, write_pages
+
+    if check:
+        stale = stale_pages()
+        for page in stale:
+            click.echo(f"{page} is stale: {REGENERATE}", err=True)
+        if stale:
+            raise SystemExit(1)
+        click.echo("generated pages are up to date")
+        return
+    for page in write_pages():
+        click.echo(f"wrote {page}")

@@ -1,5 +1,5 @@
 """`diffusion-pipe models`: the capability table of every registered family, generated from the registry, so
-the README's supported-models table (this command's output) can never claim more than the code does."""
+the supported-models table of docs/models.md (this command's output) can never claim more than the code does."""
 
 from __future__ import annotations
 

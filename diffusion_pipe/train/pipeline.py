@@ -43,8 +43,7 @@ def process_layout(env: Mapping[str, str]) -> tuple[int, int, int]:
             raise ConfigError(f"started as one of {tasks} Slurm tasks without RANK/WORLD_SIZE: each task would "
                               "train alone. Run one task per node that starts the node's workers: `srun "
                               "--ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES --nproc-per-node GPUS "
-                              "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m stages.train` (README: Several "
-                              "GPUs and nodes)")
+                              "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m stages.train` (docs/multi-node.md)")
         return 0, 1, 0
     try:
         rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", ""))

@@ -1,4 +1,4 @@
-"""`diffusion-pipe models`: one row per registered family, and the README's table is exactly its output."""
+"""`diffusion-pipe models`: one row per registered family, and the table of docs/models.md is exactly its output."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from diffusion_pipe.cli import main
 from diffusion_pipe.models import REGISTRY
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def test_models_command_lists_every_family():
@@ -17,12 +17,12 @@ def test_models_command_lists_every_family():
     assert [row.split("|")[1].strip() for row in rows] == sorted(REGISTRY)
 
 
-def test_readme_table_is_the_command_output():
+def test_models_page_table_is_the_command_output():
     output = CliRunner().invoke(main, ["models"]).output.strip()
-    text = README.read_text()
+    text = MODELS_PAGE.read_text()
     start = text.index("<!-- models-table")
     table = text[text.index("\n", start) + 1:text.index("<!-- /models-table -->")].strip()
-    assert table == output, "README's models table is stale: paste the output of `diffusion-pipe models`"
+    assert table == output, "docs/models.md's models table is stale: run `diffusion-pipe docs`"
 
 
 def test_tested_names_the_files_that_test_a_family(tmp_path):
