@@ -6,6 +6,7 @@ goes through both runners."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,17 @@ def test_the_train_bench_refuses_ratios_against_a_plain_loop_that_compiling_did_
     assert sound["gains"]["plain-diffusers"] == pytest.approx(0.70 / 0.46)
     cpu = check_baselines(run(0.579, 0.582), "cpu")
     assert cpu["ok"] and not cpu["ratios"] and cpu["lines"][-1].startswith("no ratio on the CPU")
+
+
+def test_every_table_benchmarks_quotes_from_a_result_file_is_that_file_rendered():
+    """A figure in BENCHMARKS.md is the figure in the committed JSON: each `<!-- table: FILE -->` marker is followed
+    by exactly `bench/results_table.py FILE`'s output, and every result file is quoted somewhere."""
+    from results_table import train_table
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    marked = re.findall(r"<!-- table: (bench/results/[^ ]+\.json) -->\n", text)
+    assert marked and set(marked) == {f"bench/results/{p.name}" for p in (REPO / "bench/results").glob("*.json")}
+    for name in marked:
+        rendered = train_table(json.loads((REPO / name).read_text()))
+        assert f"<!-- table: {name} -->\n{rendered}" in text, f"BENCHMARKS.md's table of {name} differs from " \
+                                                              f"`python bench/results_table.py {name}`"
