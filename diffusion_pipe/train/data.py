@@ -245,16 +245,25 @@ class MicroBatches:
             weights = dataset_weights if weights is None else weights * dataset_weights
         return weights
 
-    def at(self, position: int):
-        """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
-        generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
-                                                      16))
+    def generator_at(self, position: int) -> torch.Generator:
+        """The generator of the noise, timesteps and noise offsets of the micro-batch at `position`: seeded by
+        (seed, this data-parallel rank, position), so ranks draw their own and a resumed run draws the same."""
+        return torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15], 16))
+
+    def text_keys_at(self, position: int) -> list[str]:
+        """The text key each sample of the micro-batch at `position` trains with: its tag order, then caption
+        dropout, both drawn for this data-parallel rank (another rank's draws would repeat on every rank)."""
         indices = self.indices_at(position)
         keys = training_text_keys([self.rows[i] for i in indices], self.seed, self.dp_rank, position)
         if self.caption_dropout:
             keys = self.caption_dropout.text_keys(self.dp_rank, position, keys,
                                                   [self.rows[i].empty_text_key for i in indices])
-        return self.make(indices, generator, text_keys=keys)
+        return keys
+
+    def at(self, position: int):
+        """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
+        return self.make(self.indices_at(position), self.generator_at(position),
+                         text_keys=self.text_keys_at(position))
 
 
 class Prefetcher:

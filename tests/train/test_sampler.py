@@ -1,5 +1,7 @@
 """The deterministic micro-batch order: buckets, repeats, data-parallel shares, positions."""
 
+import torch
+
 from diffusion_pipe.train.data import Row, epoch_order
 
 
@@ -28,3 +30,39 @@ def test_repeats_multiply_each_row():
     data = rows(4, 0, repeats=3)
     seen = [i for b in epoch_order(data, 1, 0, 0) for i in b]
     assert sorted(seen) == sorted(list(range(4)) * 3)
+
+
+def test_each_data_parallel_rank_draws_its_own_noise_tag_orders_and_caption_dropout(tmp_path):
+    """Every random stream of a micro-batch (noise and timesteps, tag order, caption dropout) is drawn for the
+    rank's own data-parallel index: rank 0's draws on every rank would drop the same positions' captions and
+    correlate the noise across ranks. The same rank draws the same again (resume)."""
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import ModelParams
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.caption_dropout import CaptionDropout
+    from diffusion_pipe.train.data import MicroBatches
+    from tests.conftest import REPO
+
+    adapter = load_adapter(from_dict(ModelParams, {"family": "flux", "path": str(REPO / "examples/flux-tiny/model")},
+                                     "model"))
+    data = [Row(f"s{i}", "64x64x1", 1, f"l{i}", f"t{i}", variant_keys=(f"t{i}a", f"t{i}b", f"t{i}c"))
+            for i in range(16)]
+
+    def loader(dp_rank: int) -> MicroBatches:
+        return MicroBatches(data, Store(tmp_path), adapter, micro_batch_size=2, seed=0, dp_rank=dp_rank,
+                            dp_world=2, timestep_sampling="uniform", flow_shift=1.0, guidance=1.0,
+                            caption_dropout=CaptionDropout(0.5, 0, "EMPTY"))
+
+    def draws(batches: MicroBatches) -> tuple[list, list, list]:
+        positions = range(24)
+        keys = [batches.text_keys_at(p) for p in positions]
+        return ([[k == "EMPTY" for k in ks] for ks in keys],  # which samples dropped their caption
+                [[k[-1] for k in ks if k != "EMPTY"] for ks in keys],  # which tag order the others took
+                [torch.rand(4, generator=batches.generator_at(p)).tolist() for p in positions])
+
+    rank0, rank1 = draws(loader(0)), draws(loader(1))
+    assert draws(loader(1)) == rank1
+    dropped, orders, noise = (a != b for a, b in zip(rank0, rank1))
+    assert dropped and orders and noise
+    assert 0.3 < sum(sum(d) for d in rank1[0]) / 48 < 0.7
