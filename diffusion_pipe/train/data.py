@@ -221,9 +221,7 @@ class MicroBatches:
         across runs). `text_keys` replace the rows' captions (tag orders, caption dropout)."""
         batch = self.load(indices, text_keys)
         latents = batch.latents
-        noise = torch.randn(latents.shape, generator=generator)
-        if self.noise_offset and timesteps is None:
-            noise = offset_noise(noise, self.noise_offset, generator)
+        noise = self.draw_noise(latents.shape, generator, offset=timesteps is None)
         noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
         noisy, target = self.adapter.keep_clean(noised.noisy, noised.target, latents)
         inputs = self.adapter.conditioned_inputs(noisy, noised.timesteps, batch.text, self.guidance,
@@ -231,6 +229,12 @@ class MicroBatches:
         target = target.to(inputs[0].dtype)
         weights = self._loss_weights(indices, noised.timesteps) if timesteps is None else None
         return inputs, (target,) if weights is None else (target, weights)
+
+    def draw_noise(self, shape: torch.Size, generator: torch.Generator, offset: bool = True) -> torch.Tensor:
+        """The micro-batch's noise from its `generator`, with `train.noise_offset` when `offset` (training
+        batches): the offsets come from the same generator, so they differ by seed, rank and position."""
+        noise = torch.randn(shape, generator=generator)
+        return offset_noise(noise, self.noise_offset, generator) if self.noise_offset and offset else noise
 
     def _loss_weights(self, indices: list[int], timesteps: torch.Tensor) -> torch.Tensor | None:
         """Per-sample loss weights of a training batch: min-SNR (train.min_snr_gamma) times each row's dataset

@@ -123,6 +123,32 @@ def test_no_intact_checkpoint_is_an_error_naming_each(whole, tmp_path, capsys):
     assert "has no manifest.json and is not used" in capsys.readouterr().err
 
 
+def intact_step_dir(directory: Path, step: int) -> Path:
+    """A step directory that passes `check_step_dir`: one-stage files (any bytes) and a manifest of their hashes."""
+    path = directory / f"step{step}"
+    path.mkdir(parents=True)
+    files = {}
+    for name in ("rng.safetensors", "state.json", "stage0.safetensors", "stage0.json"):
+        (path / name).write_bytes(f"{name} of step {step}".encode())
+        files[name] = hash_file(path / name)
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "stages": 1, "world": 1,
+                                                    "files": files}))
+    return path
+
+
+def test_a_newest_save_cut_short_is_skipped_for_the_previous_intact_one(tmp_path, capsys):
+    """A step directory without a manifest (a save cut short, say by a full disk) newer than an intact one: the
+    search passes over it and resumes from the intact one, instead of stopping there and starting over."""
+    intact = intact_step_dir(tmp_path, 6)
+    intact_step_dir(tmp_path, 3)
+    (tmp_path / "step9").mkdir()
+    (tmp_path / "step9/stage0.safetensors").write_bytes(b"half a file")
+    found = choose_checkpoint(tmp_path, announce=True)
+    assert (found.step, found.path, found.incomplete, found.damaged) == (6, intact, ["step9"], [])
+    err = capsys.readouterr().err
+    assert "step9 has no manifest.json and is not used" in err and "resuming from step6" in err
+
+
 def test_damaged_checkpoints_fall_back_and_the_run_ends_as_if_never_stopped(encoded_repo, whole, tmp_path):
     """The three newest checkpoints damaged (a flipped bit in an Adam moment, a truncated file, a missing
     weights file), `latest` emptied and DeepSpeed-named malicious pickles planted in every step directory: the

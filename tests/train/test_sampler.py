@@ -66,3 +66,29 @@ def test_each_data_parallel_rank_draws_its_own_noise_tag_orders_and_caption_drop
     dropped, orders, noise = (a != b for a, b in zip(rank0, rank1))
     assert dropped and orders and noise
     assert 0.3 < sum(sum(d) for d in rank1[0]) / 48 < 0.7
+
+
+def test_noise_offsets_come_from_each_micro_batchs_own_generator(tmp_path):
+    """train.noise_offset's per-channel offsets are drawn from the micro-batch's generator, like its noise: a
+    fresh default generator would give the same offsets to every micro-batch of every run, whatever the seed."""
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import ModelParams
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.data import MicroBatches
+    from diffusion_pipe.train.objectives import offset_noise
+    from tests.conftest import REPO
+
+    adapter = load_adapter(from_dict(ModelParams, {"family": "flux", "path": str(REPO / "examples/flux-tiny/model")},
+                                     "model"))
+    loader = MicroBatches(rows(4, 0), Store(tmp_path), adapter, micro_batch_size=1, seed=3, dp_rank=0, dp_world=1,
+                          timestep_sampling="uniform", flow_shift=1.0, guidance=1.0, noise_offset=0.1)
+    shape = torch.Size((1, 4, 8, 8))
+    offsets = []
+    for position in range(3):
+        generator = loader.generator_at(position)
+        expected = offset_noise(torch.randn(shape, generator=generator), 0.1, generator)
+        noise = loader.draw_noise(shape, loader.generator_at(position))
+        assert torch.equal(noise, expected)
+        offsets.append(noise.mean(dim=(2, 3)))
+    assert not torch.allclose(offsets[0], offsets[1]) and not torch.allclose(offsets[1], offsets[2])
