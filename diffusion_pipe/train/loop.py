@@ -30,7 +30,7 @@ from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows,
                                        steps_for_epochs)
-from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.build import build_local_model, seed_lora_dropout
 from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
@@ -189,6 +189,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if train.pipeline_stages > 1:  # the gradient norm spans every stage of this process's pipeline
         optimizer.norm_group = engine.grid.get_pipe_parallel_group()
     dp_rank = engine.grid.get_data_parallel_rank()
+    seed_lora_dropout(train.seed, dp_rank)  # a resumed run restores the states instead (Checkpoints.load)
     is_reporter = dist.rank == 0
 
     identity = run_identity(model, train, encoded_path, encode.text_max_length, dist.world)
