@@ -299,8 +299,13 @@ class TrainParams:
         "seed": _SEED, "steps": _AT_LEAST_1, "micro_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
         "learning_rate": Range(0, 1, lo_open=True), "warmup_steps": _AT_LEAST_0, "weight_decay": _AT_LEAST_0,
         "adam_betas": _FRACTION, "adam_eps": Range(0, 1, lo_open=True), "max_grad_norm": _AT_LEAST_0,  # 0: no clipping
-        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION, "flow_shift": _POSITIVE,
-        "guidance": _AT_LEAST_0, "epochs": _AT_LEAST_0, "noise_offset": Range(0, 1), "min_snr_gamma": _AT_LEAST_0,
+        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION,
+        # The timestep and noise params, bounded well past any meaningful value: a shift of 100 already puts 99%
+        # of uniform timesteps above 0.5 (published models use 1-17), and a shift or guidance past float32's
+        # 3.4e38 is infinite in the step, which then trains on NaN (and the divergence error would blame the
+        # learning rate). At a min-SNR gamma of 1000 only SD's cleanest step (SNR about 1180) is weighted down.
+        "flow_shift": Range(0.01, 100), "guidance": Range(0, 100), "noise_offset": Range(0, 1),
+        "min_snr_gamma": Range(0, 1000), "epochs": _AT_LEAST_0,
         "pipeline_stages": _AT_LEAST_1, "blocks_to_swap": _AT_LEAST_0, "max_gpu_memory_gb": _AT_LEAST_0,
         "activation_checkpointing_share": Range(0, 1, lo_open=True),
         "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
