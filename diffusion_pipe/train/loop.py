@@ -64,12 +64,6 @@ def schedule_warnings(train: TrainParams) -> list[str]:
     if train.warmup_steps >= train.steps:
         warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
                         "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
-    if train.attention == "cudnn":
-        warnings.append("train.attention: cudnn is experimental and not recommended: a compiled Flux-dev step was "
-                        "no faster with it than with flash on an H200 (0.396 against 0.381 s), and its GPU check "
-                        "hit a CUDA illegal memory access there (torch 2.11; BENCHMARKS.md, Train); set "
-                        "attention: flash unless you have measured it on your card with "
-                        "`bash scripts/test.sh -m gpu -k cudnn`")
     return warnings
 
 
@@ -98,8 +92,8 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
     how many are kept do not change what is trained, so they are left out: changing them continues the run (as do
-    samples, the LoRAs written along the way, whether swapped blocks are copied ahead and which kernel computes
-    attention, the same product rounded otherwise)."""
+    samples, the LoRAs written along the way, whether swapped blocks are copied ahead, and `attention`, which has
+    one value left and is kept out so that runs from when it had two continue)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
                "save_lora_every_steps", "swap_prefetch", "attention")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
@@ -140,7 +134,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     empty) under `runs_root/loras/<run id>/` (train/step_loras.py)."""
     import deepspeed
 
-    dist = init_distributed(train.device, train.attention)
+    dist = init_distributed(train.device)
     check_dtype_supported(model.dtype)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
