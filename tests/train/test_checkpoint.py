@@ -149,6 +149,42 @@ def test_a_newest_save_cut_short_is_skipped_for_the_previous_intact_one(tmp_path
     assert "step9 has no manifest.json and is not used" in err and "resuming from step6" in err
 
 
+def file_size_limited(limit: int):
+    """A `preexec_fn` that caps the size of any file the child writes at `limit` bytes, a real limit rather than
+    a mocked write: past it, a write fails with EFBIG (SIGXFSZ, which would kill the child, is ignored)."""
+    def limit_files() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_files
+
+
+def test_a_disk_that_fills_at_the_end_keeps_the_lora_and_names_the_file(encoded_repo, whole, tmp_path):
+    """A file size limit between the LoRA's size and a checkpoint stage file's (a disk with room for the small
+    LoRA, not for the large checkpoint): the LoRA is written first, whole and as the run never stopped would
+    write it, and the final checkpoint's failure is one error naming the file and the errno, not a traceback.
+    The step directory it left has no manifest, so a rerun resumes from the last intact checkpoint (as above)."""
+    repo, store = encoded_repo
+    runs = tmp_path / "runs"
+    directory = copy_run(whole, runs)
+    shutil.rmtree(directory / "step12")  # resumes at step 9; its last step's checkpoint is the one that fails
+    lora_size = (whole / "out/lora.safetensors").stat().st_size
+    stage_size = (directory / "step9/stage0.safetensors").stat().st_size
+    assert lora_size * 2 < stage_size
+    out = subprocess.run(train_cmd(runs), cwd=repo, env=run_env(store), capture_output=True, text=True,
+                         preexec_fn=file_size_limited(lora_size * 2), timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"error: cannot write {directory / 'step12/stage0.safetensors'}: the file would exceed the file size "
+            "limit (ulimit -f) (EFBIG") in out.stderr
+    assert f"its LoRA was written to {runs / 'out/lora.safetensors'} before this final checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert (runs / "out/lora.safetensors").read_bytes() == (whole / "out/lora.safetensors").read_bytes()
+    assert (runs / "loss.csv").read_text() == (whole / "loss.csv").read_text()
+    assert not (directory / "step12/manifest.json").exists() and find_newest_intact(directory).step == 9
+
+
 def test_damaged_checkpoints_fall_back_and_the_run_ends_as_if_never_stopped(encoded_repo, whole, tmp_path):
     """The three newest checkpoints damaged (a flipped bit in an Adam moment, a truncated file, a missing
     weights file), `latest` emptied and DeepSpeed-named malicious pickles planted in every step directory: the
