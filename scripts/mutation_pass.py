@@ -783,6 +783,9 @@ MUTATIONS: list[Mutation] = [
              ("tests/export/test_export_stage.py::"
               "test_an_export_that_runs_out_of_room_publishes_nothing_and_names_the_file",),
              "a merged export past the disk's room is a raw safetensors traceback"),
+    Mutation("write-error-full-disk-unsaid", "diffusion_pipe/fileio.py", "    if code in _NO_ROOM:", "    if False:",
+             ("tests/train/test_checkpoint.py::test_a_full_disk_is_an_error_naming_the_file_and_enospc",),
+             "a full disk is reported by its errno alone, without saying the disk is full or the room left"),
 ]
 
 

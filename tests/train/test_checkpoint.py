@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffusion_pipe.fileio import WriteError, naming_write_errors
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
 from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
@@ -159,6 +160,17 @@ def file_size_limited(limit: int):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return limit_files
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_is_an_error_naming_the_file_and_enospc():
+    """A write to a full device (Linux's /dev/full fails every write with ENOSPC): one WriteError naming the file,
+    that the disk is full and the errno, with the room left there."""
+    with pytest.raises(WriteError, match=r"^cannot write /dev/full: the disk is full \(ENOSPC: No space left on "
+                                         r"device; [\d.]+ MB free there\)\. Free space on that disk"):
+        with naming_write_errors("/dev/full"), open("/dev/full", "wb") as fh:
+            fh.write(b"a checkpoint")
+            fh.flush()
 
 
 def test_a_disk_that_fills_at_the_end_keeps_the_lora_and_names_the_file(encoded_repo, whole, tmp_path):
