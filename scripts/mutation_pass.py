@@ -786,6 +786,9 @@ MUTATIONS: list[Mutation] = [
     Mutation("write-error-full-disk-unsaid", "diffusion_pipe/fileio.py", "    if code in _NO_ROOM:", "    if False:",
              ("tests/train/test_checkpoint.py::test_a_full_disk_is_an_error_naming_the_file_and_enospc",),
              "a full disk is reported by its errno alone, without saying the disk is full or the room left"),
+    Mutation("diverged-first-step-blames-lr", GUARDS, "    if step == 1:  # its loss", "    if False:  # its loss",
+             ("tests/train/test_messages.py::test_a_run_diverging_at_its_first_step_does_not_blame_the_learning_rate",),
+             "a NaN at the first step, before any update, is blamed on the learning rate"),
 ]
 
 

@@ -33,6 +33,19 @@ def test_a_params_file_still_choosing_the_removed_cudnn_kernel_is_told_why_and_w
     assert TrainParams(attention="flash").attention == "flash"
 
 
+def test_a_run_diverging_at_its_first_step_does_not_blame_the_learning_rate(tmp_path):
+    """A first step's loss comes from the initial weights, before any learning rate was applied: a NaN there (a
+    timestep or noise param out of its depth, float16 overflow, bad data) names those, not the learning rate;
+    later steps name the learning rate and clipping."""
+    from diffusion_pipe.train.guards import diverged
+
+    first = str(diverged(1, float("nan"), None, TrainParams(flow_shift=50.0), None, tmp_path))
+    assert "diverged at its first step" in first and "the learning rate is not the cause" in first
+    assert "train.flow_shift (now 50)" in first and "Lower train.learning_rate" not in first
+    later = str(diverged(5, float("nan"), None, TrainParams(), 4, tmp_path))
+    assert "Lower train.learning_rate (now 0.0001)" in later and "the last checkpoint, step 4" in later
+
+
 def test_train_stage_warns_and_shows_eval_progress(tmp_path):
     store = tmp_path / "store"
     edits = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 2"}
