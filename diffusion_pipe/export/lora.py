@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,13 +51,17 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
     lineage = export_lineage(params, repo, lora_path, manifest, encoded, report, trained)
     if kind == "full":  # the whole denoiser: a diffusers component directory, loaded with from_pretrained
         path = out_dir / f"{params.export.name}.full"
-        with _removed_on_error(path), published_together() as stage:
-            with naming_write_errors(path):
-                write_full(adapter, lora, path, lineage)
+        with naming_write_errors(path):
+            write_full(adapter, lora, path, lineage)
+        try:
             listed = {**json.loads((path / "lineage.json").read_text())["files"],
                       "lineage.json": hash_file(path / "lineage.json")}
-            stage(out_dir / f"{params.export.name}.lineage.json", json_bytes(
-                {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}}))
+            with published_together() as stage:
+                stage(out_dir / f"{params.export.name}.lineage.json", json_bytes(
+                    {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}}))
+        except BaseException:  # the directory is not left published without the lineage file that lists it
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         print(f"export: wrote {path}", file=sys.stderr)
         return [path]
     rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
@@ -82,14 +84,3 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
                 written.append(write_merged(adapter, folded, merged, lineage))
     print("export: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return written
-
-
-@contextlib.contextmanager
-def _removed_on_error(directory: Path) -> Iterator[None]:
-    """Remove `directory` if the body raises: a full fine-tune's directory is not left without the lineage file
-    that lists it."""
-    try:
-        yield
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
