@@ -14,8 +14,8 @@ the copies timed. Each backend runs alone (torch.nn.attention.sdpa_kernel), `--i
 passes after three warm-up ones (compiled: after compiling), on the same bf16 inputs; a backend torch refuses for
 these inputs is reported as such. The many iterations are also the check for the crash once seen in a cuDNN
 attention backward (NOTES.md). `--flux-blocks` also runs a diffusers Flux double + single block at this width under
-each `train.attention` setting as the train stage applies it (the process's kernel order), eager and compiled:
-time, and how far the outputs and every gradient are from flash's.
+the train stage's kernel order (flash) and with cuDNN's kernel first (what the removed `train.attention: cudnn`
+set), eager and compiled: time, and how far the outputs and every gradient are from flash's.
 """
 
 from __future__ import annotations
@@ -187,22 +187,34 @@ def relative_differences(reference: dict, tensors: dict) -> dict:
             if norms[n] > 1e-3 * max(norms.values())}
 
 
+def use_kernel_order(kernel: str) -> None:
+    """For the rest of the process: "flash", the SDPA kernel order the train stage sets (`use_attention_kernel`);
+    "cudnn", cuDNN's kernel first with flash off (compiled code takes flash whenever it is allowed, whatever the
+    order), as the removed `train.attention: cudnn` did, to measure whether cuDNN's gradients are right again."""
+    from torch.nn.attention import _sdpa_kernel
+
+    from diffusion_pipe.train.pipeline import use_attention_kernel
+
+    if kernel == "flash":
+        use_attention_kernel()
+    else:
+        _sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+
+
 def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens: int, iters: int,
                 compiled: bool, device: str = "cuda") -> dict:
     """The Flux double + single block of `flux_blocks_setup`, forward + backward with the SDPA kernel order the
-    train stage sets for `train.attention` flash and cudnn (`use_attention_kernel`): seconds per pass and, against
+    train stage sets and with cuDNN's kernel first (`use_kernel_order`): seconds per pass and, against
     flash, the largest `relative_differences` in the outputs and in the gradients of the inputs and of every
     weight. cuDNN's kernel gets the strided q/k/v views diffusers' attention processor makes, and whatever layout
     of the output's gradient autograd (or the compiled graph) hands back: a kernel that mishandled either would
     show here as a large difference."""
-    from diffusion_pipe.train.pipeline import use_attention_kernel
-
     blocks = flux_blocks_setup(batch, heads, dim, image_tokens, text_tokens, device)
     out = {}
     for mode in ["eager"] + (["compiled"] if compiled else []):
         reference = None
         for kernel in ("flash", "cudnn"):
-            use_attention_kernel(kernel)
+            use_kernel_order(kernel)
             fn = blocks.forward
             if mode == "compiled":
                 torch._dynamo.reset()
@@ -232,7 +244,7 @@ def flux_blocks(batch: int, heads: int, dim: int, image_tokens: int, text_tokens
                   + (f"  vs flash, |a - b| / |b|: out {row['out_relative_diff']:.3g}, input gradients "
                      f"{row['inputs_relative_diff']:.3g}, worst gradient {worst} {row['worst_relative_diff']:.3g}"
                      if "worst" in row else ""))
-    use_attention_kernel("flash")
+    use_kernel_order("flash")
     return out
 
 

@@ -103,12 +103,6 @@ def make_data(store_root: Path, encoded: Path, model_dir: Path, shape: dict, n: 
 VARIANTS = {
     "eager": {"plain": True, "max_gpu_memory_gb": 80},
     "compile": {"plain": True, "compile": True, "max_gpu_memory_gb": 80},
-    # cuDNN's attention kernel (train.attention), against "eager" / "compile"
-    "eager-cudnn": {"plain": False, "attention": "cudnn", "max_gpu_memory_gb": 80},
-    "compile-cudnn": {"plain": False, "compile": True, "attention": "cudnn", "max_gpu_memory_gb": 80},
-    "cap24-swap20-keep-attention-compile-cudnn": {
-        "plain": False, "activation_checkpointing": True, "activation_checkpointing_keep": "attention",
-        "blocks_to_swap": 20, "compile": True, "attention": "cudnn", "max_gpu_memory_gb": 24},
     "cap48": {"plain": False, "activation_checkpointing": True, "max_gpu_memory_gb": 48},
     "cap24": {"plain": False, "activation_checkpointing": True, "blocks_to_swap": 20, "max_gpu_memory_gb": 24},
     # with --base-dtype float8 the frozen weights take half the memory: these caps need fewer or no swapped blocks

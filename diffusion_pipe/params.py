@@ -299,8 +299,13 @@ class TrainParams:
         "seed": _SEED, "steps": _AT_LEAST_1, "micro_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
         "learning_rate": Range(0, 1, lo_open=True), "warmup_steps": _AT_LEAST_0, "weight_decay": _AT_LEAST_0,
         "adam_betas": _FRACTION, "adam_eps": Range(0, 1, lo_open=True), "max_grad_norm": _AT_LEAST_0,  # 0: no clipping
-        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION, "flow_shift": _POSITIVE,
-        "guidance": _AT_LEAST_0, "epochs": _AT_LEAST_0, "noise_offset": Range(0, 1), "min_snr_gamma": _AT_LEAST_0,
+        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION,
+        # The timestep and noise params, bounded well past any meaningful value: a shift of 100 already puts 99%
+        # of uniform timesteps above 0.5 (published models use 1-17), and a shift or guidance past float32's
+        # 3.4e38 is infinite in the step, which then trains on NaN (and the divergence error would blame the
+        # learning rate). At a min-SNR gamma of 1000 only SD's cleanest step (SNR about 1180) is weighted down.
+        "flow_shift": Range(0.01, 100), "guidance": Range(0, 100), "noise_offset": Range(0, 1),
+        "min_snr_gamma": Range(0, 1000), "epochs": _AT_LEAST_0,
         "pipeline_stages": _AT_LEAST_1, "blocks_to_swap": _AT_LEAST_0, "max_gpu_memory_gb": _AT_LEAST_0,
         "activation_checkpointing_share": Range(0, 1, lo_open=True),
         "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
@@ -343,8 +348,9 @@ class TrainParams:
     # run again.
     activation_checkpointing_keep: Literal["", "attention", "narrow"] = ""
     compile: bool = False  # torch.compile each pipeline layer of this rank (GPUs; the first steps compile)
-    # the attention kernel on GPUs: torch's flash attention, or cuDNN's (train/pipeline.py `use_attention_kernel`)
-    attention: Literal["flash", "cudnn"] = "flash"
+    # the attention kernel on GPUs: "flash", torch's flash attention (train/pipeline.py `use_attention_kernel`), the
+    # only one left: a str, so that a params.yaml still saying "cudnn" gets REMOVED_ATTENTION's reason
+    attention: str = "flash"
     blocks_to_swap: int = 0  # frozen weights of this many blocks per stage wait in CPU memory between uses
     # with blocks_to_swap: copy the next swapped block's weights while the current one computes (one more block's
     # weights on the GPU at a time); false: copy each block's when it is needed, the compute waiting for the copy
@@ -364,7 +370,16 @@ class TrainParams:
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     samples: SampleParams = field(default_factory=SampleParams)  # images rendered as training goes
 
+    REMOVED_ATTENTION: ClassVar[str] = (
+        "attention: cudnn was removed: cuDNN's attention kernel computed wrong gradients on an H100 (a relative "
+        "difference of 5.9 from flash attention's) and crashed with an illegal memory access on an H200, so a run "
+        "with it could train on wrong gradients; set attention: flash (the default), or delete the line")
+
     def __post_init__(self) -> None:
+        if self.attention == "cudnn":
+            raise ValueError(self.REMOVED_ATTENTION)
+        if self.attention != "flash":
+            raise ValueError(f"attention: got {self.attention!r}; the only kernel is 'flash' (or delete the line)")
         if self.steps < 1 or self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
             raise ValueError("steps, micro_batch_size and gradient_accumulation_steps must be >= 1")
         if self.pipeline_stages < 1:

@@ -71,8 +71,8 @@ def test_a_failed_runs_row_names_the_exception_not_the_warnings_after_it():
 
 
 def test_the_gradient_comparison_of_the_attention_check_is_relative_and_ignores_noise():
-    """bench_attention.relative_differences, which the GPU test of train.attention: cudnn holds to 3%: |a - b| / |b|
-    per tensor, leaving out a reference whose norm is noise next to the largest (a key bias's gradient)."""
+    """bench_attention.relative_differences, with which `--flux-blocks` measures cuDNN's kernel against flash:
+    |a - b| / |b| per tensor, leaving out a reference whose norm is noise next to the largest (a key bias's gradient)."""
     import torch
     from bench_attention import relative_differences
 

@@ -14,7 +14,6 @@ import torch
 from tests.conftest import train_example
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_attention import relative_differences  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -59,15 +58,16 @@ def test_swapped_blocks_train_as_blocks_kept_on_the_gpu(tmp_path, compile_layers
     assert losses("swapped", 2) == pytest.approx(kept, rel=1e-5)
 
 
-def flux_blocks_pass(kernel: str, compiled: bool) -> tuple[dict, set]:
+def flux_blocks_pass(compiled: bool) -> tuple[dict, set]:
     """bench_attention's Flux double then single block (4 heads x 64, 512 image + 64 text tokens, bf16) forward +
-    backward under the SDPA kernels `train.attention: kernel` allows: output and gradients, and the attention ops
-    that ran."""
+    backward under the SDPA kernels the train stage allows (`use_attention_kernel`): output and gradients, and the
+    attention ops that ran."""
     from bench_attention import flux_blocks_setup
 
     from diffusion_pipe.train.pipeline import use_attention_kernel
 
-    use_attention_kernel(kernel)
+    torch.backends.cuda.enable_cudnn_sdp(True)  # as torch starts on recent GPUs: the train stage must turn it off
+    use_attention_kernel()
     blocks = flux_blocks_setup(1, 4, 64, 512, 64)
     torch._dynamo.reset()
     fn = torch.compile(blocks.forward) if compiled else blocks.forward
@@ -79,23 +79,17 @@ def flux_blocks_pass(kernel: str, compiled: bool) -> tuple[dict, set]:
             out = fn(x, c)
             out.backward(blocks.grad)
     ops = {e.name for e in profiler.events() if "scaled_dot_product" in e.name}
-    use_attention_kernel("flash")
     return {"out": out.detach(), **blocks.gradients(x, c)}, ops
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_cudnn_attention_runs_and_gives_flash_attention_gradients(compiled):
-    """`train.attention: cudnn` runs cuDNN's kernel, compiled too (which takes flash whenever flash is allowed),
-    and its gradients are flash's up to bf16 rounding. On torch 2.11 with cuDNN 9.19, cuDNN's backward given q/k/v
-    copied to its own layout and an output gradient of another layout (diffusers' `_native_cudnn` backend) was
-    off by 30% (BENCHMARKS.md); the strided views diffusers' processors pass are not."""
-    flash, flash_ops = flux_blocks_pass("flash", compiled)
-    cudnn, cudnn_ops = flux_blocks_pass("cudnn", compiled)
-    assert any("flash" in op for op in flash_ops) and not any("cudnn" in op for op in flash_ops)
-    assert any("cudnn" in op for op in cudnn_ops) and not any("flash" in op for op in cudnn_ops)
-    differences = relative_differences(flash, cudnn)
-    assert {"out", "d image", "d text"} <= differences.keys()
-    assert max(differences.values()) < 0.03, differences
+def test_the_train_stage_attention_runs_flash_and_never_cudnn(compiled):
+    """The train stage's attention runs torch's flash kernel, eager and compiled, and never cuDNN's: cuDNN's
+    backward gave gradients a relative 5.9 away from flash's on an H100 and crashed on an H200, so
+    `train.attention: cudnn` was removed (`python bench/bench_attention.py --flux-blocks` re-measures cuDNN)."""
+    tensors, ops = flux_blocks_pass(compiled)
+    assert any("flash" in op for op in ops) and not any("cudnn" in op for op in ops), ops
+    assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
 def test_safetensors_reach_the_gpu_through_pinned_buffers_unchanged(tmp_path):

@@ -38,6 +38,12 @@ def _load(tmp_path: Path, section: str, body: str) -> P.Params:
     ("train", "max_grad_norm: -1.0", r"train\.max_grad_norm: -1 is out of range \[0, inf\)"),
     ("train", "eval_timesteps: [0.5, 2.0]", r"train\.eval_timesteps\[1\]: 2 is out of range \[0, 1\]"),
     ("train", "seed: -1", r"train\.seed: -1 is out of range \[0, 4\.29497e\+09\]"),
+    # the timestep and noise params: a shift of 1e308 is inf in float32 and trained on NaN
+    ("train", "flow_shift: 1.0e308", r"train\.flow_shift: 1e\+308 is out of range \[0\.01, 100\]"),
+    ("train", "flow_shift: 0.0", r"train\.flow_shift: 0 is out of range \[0\.01, 100\]"),
+    ("train", "guidance: 1.0e308", r"train\.guidance: 1e\+308 is out of range \[0, 100\]"),
+    ("train", "min_snr_gamma: 1.0e308", r"train\.min_snr_gamma: 1e\+308 is out of range \[0, 1000\]"),
+    ("train", "noise_offset: 1.5", r"train\.noise_offset: 1\.5 is out of range \[0, 1\]"),
     ("encode", "pack_size_mb: 0", r"encode\.pack_size_mb: 0 is out of range \(0, 65536\]"),
     ("scan", "max_caption_bytes: 0", r"scan\.max_caption_bytes: 0 is out of range \[1, inf\)"),
     ("dataset", "eval_fraction: 1.0", r"scan\.datasets\[0\]\.eval_fraction: 1 is out of range \[0, 1\)"),
@@ -51,6 +57,7 @@ def test_values_at_the_edges_of_their_ranges_load(tmp_path):
     assert _load(tmp_path, "train", "lora_dropout: 0.0").train.lora_dropout == 0.0
     assert _load(tmp_path, "train", "eval_timesteps: [0.0, 1.0]").train.eval_timesteps == (0.0, 1.0)
     assert _load(tmp_path, "train", "max_grad_norm: 0.0").train.max_grad_norm == 0.0  # 0: no clipping
+    assert _load(tmp_path, "train", "flow_shift: 100.0").train.flow_shift == 100.0
 
 
 def _params_classes() -> list[type]:

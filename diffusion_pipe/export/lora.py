@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from diffusion_pipe.errors import UserError
-from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
-from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.fileio import json_bytes, naming_write_errors, published_together
+from diffusion_pipe.hashing import hash_bytes, hash_file
 from diffusion_pipe.lineage.record import METADATA_KEY, export_lineage, lineage_metadata, trained_params_drift
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.params import Params
@@ -35,7 +36,9 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
                 out_dir: Path) -> list[Path]:
     """Write `out_dir/<name>.<format>.safetensors` for every format asked for, `out_dir/<name>.merged/` when
     `export.merged`, and `out_dir/<name>.lineage.json` (the record plus every written file's hash). A full
-    fine-tune (train.adapter: full) is written as `out_dir/<name>.full/<denoiser component>/` instead."""
+    fine-tune (train.adapter: full) is written as `out_dir/<name>.full/<denoiser component>/` instead.
+    All of an export is published or none of it (a full disk, say, fails with a WriteError naming the file):
+    the files are written to temp names first and renamed into place only once every one of them was written."""
     from diffusion_pipe.export.merge import write_full, write_merged
 
     adapter = load_adapter(params.model)
@@ -54,26 +57,37 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
                         "exported. Run `dvc repro --force train` to train with params.yaml as it is, or put back the "
                         "values it was trained with")
     if kind == "full":  # the whole denoiser: a diffusers component directory, loaded with from_pretrained
-        path = write_full(adapter, lora, out_dir / f"{params.export.name}.full", lineage)
-        listed = {**json.loads((path / "lineage.json").read_text())["files"],
-                  "lineage.json": hash_file(path / "lineage.json")}
-        write_json_atomic(out_dir / f"{params.export.name}.lineage.json",
-                          {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}})
+        path = out_dir / f"{params.export.name}.full"
+        with naming_write_errors(path):
+            write_full(adapter, lora, path, lineage)
+        try:
+            listed = {**json.loads((path / "lineage.json").read_text())["files"],
+                      "lineage.json": hash_file(path / "lineage.json")}
+            with published_together() as stage:
+                stage(out_dir / f"{params.export.name}.lineage.json", json_bytes(
+                    {**lineage, "files": {f"{path.name}/{name}": digest for name, digest in listed.items()}}))
+        except BaseException:  # the directory is not left published without the lineage file that lists it
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         print(f"export: wrote {path}", file=sys.stderr)
         return [path]
     rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
     folded = fold_scale(lora, rank, alpha)
     written, files = [], {}
-    for fmt in params.export.formats:
-        tensors = adapter.export_lora(folded, fmt)
-        path = out_dir / f"{params.export.name}.{fmt}.safetensors"
-        metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
-                    "diffusion_pipe.export_format": fmt, **lineage_metadata(lineage)}
-        write_bytes_atomic(path, save_deterministic(tensors, metadata))
-        written.append(path)
-        files[path.name] = hash_file(path)
-    if params.export.merged:
-        written.append(write_merged(adapter, folded, out_dir / f"{params.export.name}.merged", lineage))
-    write_json_atomic(out_dir / f"{params.export.name}.lineage.json", {**lineage, "files": files})
+    with published_together() as stage:
+        for fmt in params.export.formats:
+            tensors = adapter.export_lora(folded, fmt)
+            path = out_dir / f"{params.export.name}.{fmt}.safetensors"
+            metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
+                        "diffusion_pipe.export_format": fmt, **lineage_metadata(lineage)}
+            data = save_deterministic(tensors, metadata)
+            stage(path, data)
+            written.append(path)
+            files[path.name] = hash_bytes(data)
+        stage(out_dir / f"{params.export.name}.lineage.json", json_bytes({**lineage, "files": files}))
+        if params.export.merged:  # last: it renames itself into place, after which nothing can fail for lack of room
+            merged = out_dir / f"{params.export.name}.merged"
+            with naming_write_errors(merged):
+                written.append(write_merged(adapter, folded, merged, lineage))
     print("export: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return written

@@ -85,6 +85,14 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
                                 f"({len(missing)} tensors); is model.path a complete diffusers model?")
 
 
+def seed_lora_dropout(seed: int, dp_rank: int) -> None:
+    """Seed torch's global RNGs (CPU and every GPU), which LoRA dropout draws from, by (seed, data-parallel rank):
+    ranks seeded alike would drop the same units for their different samples, a correlation that averaging their
+    gradients does not undo. Stages of one pipeline hold different layers and may share it. Nothing whose value
+    the replicas must agree on draws from it (`init_lora_deterministic` has generators of its own)."""
+    torch.manual_seed(int(hash_json(["lora_dropout", seed, dp_rank])[:15], 16))
+
+
 def init_lora_deterministic(model: nn.Module, seed: int) -> None:
     """Re-initialise every materialised lora_A like peft does (Kaiming uniform, a=sqrt(5)) but from a
     generator per module name, so the weights do not depend on which layers a rank holds."""

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from diffusion_pipe.errors import UserError
-from diffusion_pipe.fileio import write_bytes_atomic, write_json_atomic
+from diffusion_pipe.fileio import naming_write_errors, write_bytes_atomic, write_json_atomic
 from diffusion_pipe.hashing import hash_bytes, hash_file
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.pipeline import Dist
@@ -188,9 +188,11 @@ class Checkpoints:
             written = {name: digest for _, part, _ in parts for name, digest in part.items()}
             _check_visible(path, parts, self.dist)
         if rank == 0:
-            write_json_atomic(path / MANIFEST, {"format": FORMAT, "step": step, "stages": self.stages,
-                                                "world": self.dist.world, "files": written})
-            write_bytes_atomic(self.directory / "latest", f"step{step}".encode())
+            with naming_write_errors(path / MANIFEST):
+                write_json_atomic(path / MANIFEST, {"format": FORMAT, "step": step, "stages": self.stages,
+                                                    "world": self.dist.world, "files": written})
+            with naming_write_errors(self.directory / "latest"):
+                write_bytes_atomic(self.directory / "latest", f"step{step}".encode())
             if keep:
                 for _, old in step_dirs(self.directory)[keep:]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -301,7 +303,8 @@ def _has_size(path: Path, size: int) -> bool:
 
 
 def _publish(directory: Path, name: str, data: bytes) -> dict[str, str]:
-    write_bytes_atomic(directory / name, data)
+    with naming_write_errors(directory / name):  # a full disk names the file, not a temp file's errno
+        write_bytes_atomic(directory / name, data)
     return {name: hash_bytes(data)}
 
 

@@ -221,9 +221,7 @@ class MicroBatches:
         across runs). `text_keys` replace the rows' captions (tag orders, caption dropout)."""
         batch = self.load(indices, text_keys)
         latents = batch.latents
-        noise = torch.randn(latents.shape, generator=generator)
-        if self.noise_offset and timesteps is None:
-            noise = offset_noise(noise, self.noise_offset, generator)
+        noise = self.draw_noise(latents.shape, generator, offset=timesteps is None)
         noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
         noisy, target = self.adapter.keep_clean(noised.noisy, noised.target, latents)
         inputs = self.adapter.conditioned_inputs(noisy, noised.timesteps, batch.text, self.guidance,
@@ -231,6 +229,12 @@ class MicroBatches:
         target = target.to(inputs[0].dtype)
         weights = self._loss_weights(indices, noised.timesteps) if timesteps is None else None
         return inputs, (target,) if weights is None else (target, weights)
+
+    def draw_noise(self, shape: torch.Size, generator: torch.Generator, offset: bool = True) -> torch.Tensor:
+        """The micro-batch's noise from its `generator`, with `train.noise_offset` when `offset` (training
+        batches): the offsets come from the same generator, so they differ by seed, rank and position."""
+        noise = torch.randn(shape, generator=generator)
+        return offset_noise(noise, self.noise_offset, generator) if self.noise_offset and offset else noise
 
     def _loss_weights(self, indices: list[int], timesteps: torch.Tensor) -> torch.Tensor | None:
         """Per-sample loss weights of a training batch: min-SNR (train.min_snr_gamma) times each row's dataset
@@ -245,16 +249,25 @@ class MicroBatches:
             weights = dataset_weights if weights is None else weights * dataset_weights
         return weights
 
-    def at(self, position: int):
-        """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
-        generator = torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15],
-                                                      16))
+    def generator_at(self, position: int) -> torch.Generator:
+        """The generator of the noise, timesteps and noise offsets of the micro-batch at `position`: seeded by
+        (seed, this data-parallel rank, position), so ranks draw their own and a resumed run draws the same."""
+        return torch.Generator().manual_seed(int(hash_json(["noise", self.seed, self.dp_rank, position])[:15], 16))
+
+    def text_keys_at(self, position: int) -> list[str]:
+        """The text key each sample of the micro-batch at `position` trains with: its tag order, then caption
+        dropout, both drawn for this data-parallel rank (another rank's draws would repeat on every rank)."""
         indices = self.indices_at(position)
         keys = training_text_keys([self.rows[i] for i in indices], self.seed, self.dp_rank, position)
         if self.caption_dropout:
             keys = self.caption_dropout.text_keys(self.dp_rank, position, keys,
                                                   [self.rows[i].empty_text_key for i in indices])
-        return self.make(indices, generator, text_keys=keys)
+        return keys
+
+    def at(self, position: int):
+        """The micro-batch at `position` of this rank's sequence: a pure function of the position."""
+        return self.make(self.indices_at(position), self.generator_at(position),
+                         text_keys=self.text_keys_at(position))
 
 
 class Prefetcher:

@@ -28,6 +28,13 @@ def diverged(step: int, loss: float, grad_norm: float | None, train: TrainParams
     """The error that stops a run whose step `step` was not finite: what happened, what was kept, what to try."""
     kept = (f"the last checkpoint, step {last_checkpoint} in {checkpoint_dir}, is kept" if last_checkpoint is not None
             else "no checkpoint was written before it")
+    if step == 1:  # its loss and gradients came from the initial weights: no learning rate had been applied yet
+        return TrainingDiverged(
+            f"training diverged at its first step: loss {loss}, gradient norm {grad_norm}, computed before any "
+            f"update, so the learning rate is not the cause; stopped without writing a LoRA ({kept}). Check what "
+            f"shapes the inputs: train.flow_shift (now {train.flow_shift:g}), train.noise_offset (now "
+            f"{train.noise_offset:g}), train.guidance (now {train.guidance:g}), model.dtype (float16 overflows where "
+            "bfloat16 does not) and the encoded data, then run the stage again")
     return TrainingDiverged(
         f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped without writing a "
         f"LoRA ({kept}). Lower train.learning_rate (now {train.learning_rate:g}), or clip gradients harder with a "

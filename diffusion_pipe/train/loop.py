@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,14 +24,15 @@ from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError, to_dict
 from diffusion_pipe.models import load_adapter
-from diffusion_pipe.fileio import atomic_writer, write_bytes_atomic, write_json_atomic
+from diffusion_pipe.fileio import (WriteError, atomic_writer, naming_write_errors, write_bytes_atomic,
+                                   write_json_atomic)
 from diffusion_pipe.hashing import hash_file, hash_json
 from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows,
                                        steps_for_epochs)
-from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.build import build_local_model, seed_lora_dropout
 from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
@@ -40,7 +42,7 @@ from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
 from diffusion_pipe.train.samples import TrainingSamples
 from diffusion_pipe.train.step_loras import StepLoras
 from diffusion_pipe.train.swap import apply_block_swap
-from diffusion_pipe.train.pipeline import (build_pipeline_module, check_dtype_supported, init_distributed,
+from diffusion_pipe.train.pipeline import (Dist, build_pipeline_module, check_dtype_supported, init_distributed,
                                            pipeline_stage, trim_engine_step)
 
 
@@ -64,12 +66,6 @@ def schedule_warnings(train: TrainParams) -> list[str]:
     if train.warmup_steps >= train.steps:
         warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
                         "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
-    if train.attention == "cudnn":
-        warnings.append("train.attention: cudnn is experimental and not recommended: a compiled Flux-dev step was "
-                        "no faster with it than with flash on an H200 (0.396 against 0.381 s), and its GPU check "
-                        "hit a CUDA illegal memory access there (torch 2.11; BENCHMARKS.md, Train); set "
-                        "attention: flash unless you have measured it on your card with "
-                        "`bash scripts/test.sh -m gpu -k cudnn`")
     return warnings
 
 
@@ -98,8 +94,8 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
     how many are kept do not change what is trained, so they are left out: changing them continues the run (as do
-    samples, the LoRAs written along the way, whether swapped blocks are copied ahead and which kernel computes
-    attention, the same product rounded otherwise)."""
+    samples, the LoRAs written along the way, whether swapped blocks are copied ahead, and `attention`, which has
+    one value left and is kept out so that runs from when it had two continue)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
                "save_lora_every_steps", "swap_prefetch", "attention")
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
@@ -140,7 +136,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     empty) under `runs_root/loras/<run id>/` (train/step_loras.py)."""
     import deepspeed
 
-    dist = init_distributed(train.device, train.attention)
+    dist = init_distributed(train.device)
     check_dtype_supported(model.dtype)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
@@ -189,6 +185,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     if train.pipeline_stages > 1:  # the gradient norm spans every stage of this process's pipeline
         optimizer.norm_group = engine.grid.get_pipe_parallel_group()
     dp_rank = engine.grid.get_data_parallel_rank()
+    seed_lora_dropout(train.seed, dp_rank)  # a resumed run restores the states instead (Checkpoints.load)
     is_reporter = dist.rank == 0
 
     identity = run_identity(model, train, encoded_path, encode.text_max_length, dist.world)
@@ -307,7 +304,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                 raise diverged(state["step"], loss, state["grad_norms"][-1], train, checkpoints.last_step,
                                checkpoint_dir)
             step_loras.save(state["step"])
-            if save_now:
+            if save_now and (state["step"] < train.steps or signum is not None):  # the last step's: after the LoRA
                 save_checkpoint()
             if signum is not None:
                 if is_reporter:
@@ -325,8 +322,6 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         profiler.close()
     evaluate(state["step"])
     samples.render(state["step"], final=True)
-    if checkpoints.last_step != state["step"]:
-        save_checkpoint()
 
     lora = gather_lora(denoiser, module, full=train.adapter == "full")
     report = {
@@ -345,27 +340,73 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     }
     if report["eval_loss_start"] is not None:
         report["eval_loss_improved"] = report["eval_loss_end"] < report["eval_loss_start"]
-    if is_reporter:
-        lineage = None
-        if lineage_params is not None:
-            from diffusion_pipe.lineage.record import checkpoint_lineage, encoded_store_keys
-
-            # only the deterministic part of the report: the LoRA's bytes must not depend on timings
-            stable = {k: report[k] for k in ("run_id", "steps", "train_loss_last10", "eval_loss_start",
-                                             "eval_loss_end")}
-            lineage = checkpoint_lineage(lineage_params, Path.cwd(), encoded_path, encoded_store_keys(encoded_path),
-                                         stable)
-            write_json_atomic(checkpoint_dir / "lineage.json", lineage)
-        _write_lora(out_dir / "lora.safetensors", lora, model, train, targets, run_id, lineage)
-        write_json_atomic(report_path, report)
-        with atomic_writer(loss_plot_path, "w") as fh:
-            fh.write("step,loss,grad_norm\n")
-            fh.writelines(f"{i + 1},{loss:.6f},{'' if norm is None else f'{norm:.6f}'}\n"
-                          for i, (loss, norm) in enumerate(zip(state["losses"], state["grad_norms"])))
+    # the LoRA (small) before the final checkpoint (large): a disk that fills at the end keeps the run's product
+    _written_by_rank0(dist, lambda: _write_outputs(
+        out_dir / "lora.safetensors", report_path, loss_plot_path, checkpoint_dir, lora, report, state, model, train,
+        targets, lineage_params, encoded_path))
+    if checkpoints.last_step != state["step"]:
+        _save_final_checkpoint(save_checkpoint, out_dir / "lora.safetensors")
+    if writer:
         writer.close()
         print(f"train: done, loss {report['train_loss_first']:.4f} -> {report['train_loss_last10']:.4f} "
               f"(last 10); eval {report['eval_loss_start']} -> {report['eval_loss_end']}", file=sys.stderr)
     return report
+
+
+def _write_outputs(lora_path: Path, report_path: Path, loss_plot_path: Path, checkpoint_dir: Path,
+                   lora: dict[str, torch.Tensor], report: dict, state: dict, model: ModelParams, train: TrainParams,
+                   targets: list[str], lineage_params: Params | None, encoded_path: Path) -> None:
+    """Rank 0's outputs of a finished run, the LoRA first: with `lineage_params`, its lineage record (in the
+    LoRA's metadata and the run's checkpoint directory), then the report and the loss plot. A file that cannot be
+    written (a full disk) is a WriteError naming it."""
+    lineage = None
+    if lineage_params is not None:
+        from diffusion_pipe.lineage.record import checkpoint_lineage, encoded_store_keys
+
+        # only the deterministic part of the report: the LoRA's bytes must not depend on timings
+        stable = {k: report[k] for k in ("run_id", "steps", "train_loss_last10", "eval_loss_start", "eval_loss_end")}
+        lineage = checkpoint_lineage(lineage_params, Path.cwd(), encoded_path, encoded_store_keys(encoded_path), stable)
+    with naming_write_errors(lora_path):
+        _write_lora(lora_path, lora, model, train, targets, report["run_id"], lineage)
+    if lineage is not None:
+        with naming_write_errors(checkpoint_dir / "lineage.json"):
+            write_json_atomic(checkpoint_dir / "lineage.json", lineage)
+    with naming_write_errors(report_path):
+        write_json_atomic(report_path, report)
+    with naming_write_errors(loss_plot_path), atomic_writer(loss_plot_path, "w") as fh:
+        fh.write("step,loss,grad_norm\n")
+        fh.writelines(f"{i + 1},{loss:.6f},{'' if norm is None else f'{norm:.6f}'}\n"
+                      for i, (loss, norm) in enumerate(zip(state["losses"], state["grad_norms"])))
+
+
+def _written_by_rank0(dist: Dist, write: Callable[[], None]) -> None:
+    """Run `write` on rank 0 and let every rank know whether it failed before any goes on to the next collective
+    step (the final checkpoint), where the others would wait for a rank 0 that is gone. Rank 0 raises its error;
+    the others stop with one naming it as rank 0's."""
+    error = None
+    if dist.rank == 0:
+        try:
+            write()
+        except Exception as exc:  # re-raised below, once the other ranks know
+            error = exc
+    if dist.world > 1:
+        failed = torch.tensor([int(error is not None)], dtype=torch.int32, device=dist.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise WriteError("train: rank 0 could not write the run's outputs (its error says why); nothing else "
+                             "was saved")
+    if error is not None:
+        raise error
+
+
+def _save_final_checkpoint(save: Callable[[], None], lora_path: Path) -> None:
+    """The final checkpoint, after the outputs: if it cannot be written (a full disk), the error says that the
+    LoRA was, and what a rerun does."""
+    try:
+        save()
+    except WriteError as exc:
+        raise WriteError(f"{exc}. The run finished and its LoRA was written to {lora_path} before this final "
+                         "checkpoint; a rerun resumes from the last checkpoint saved") from exc
 
 
 class _Profiler:

@@ -77,21 +77,20 @@ def process_placement(env: Mapping[str, str], use_cuda: bool, gpus: int) -> tupl
     return rank, world, local_rank, process_device(use_cuda, local_rank, gpus)
 
 
-def use_attention_kernel(kernel: str) -> None:
-    """The SDPA kernels torch may pick for the rest of the process, in the order it tries them: "flash" (torch's
-    flash attention, then memory-efficient; cuDNN's is off, as it once hit an illegal memory access in a Flux
-    backward, NOTES.md) or "cudnn" (cuDNN's, then memory-efficient: flash is off, because compiled code takes
-    flash whenever it is allowed, whatever the order; `bench/bench_attention.py --flux-blocks` shows it)."""
+def use_attention_kernel() -> None:
+    """The SDPA kernels torch may pick for the rest of the process, in the order it tries them: torch's flash
+    attention, then memory-efficient, then math. cuDNN's is off: its backward gave gradients a relative 5.9 away
+    from flash's on an H100 and hit an illegal memory access on an H200 (torch 2.11; BENCHMARKS.md), and a kernel
+    torch may pick must never train on wrong gradients (`bench/bench_attention.py --flux-blocks` re-measures it)."""
     from torch.nn.attention import SDPBackend, _sdpa_kernel
 
-    order = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-             "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[kernel]
-    _sdpa_kernel(order, set_priority=True)  # what `sdpa_kernel` enters, kept for the process
+    _sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+                 set_priority=True)  # what `sdpa_kernel` enters, kept for the process
 
 
-def init_distributed(device_name: str, attention: str = "flash") -> Dist:
-    """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU. On GPUs, `attention`
-    picks the attention kernel tried first (`use_attention_kernel`)."""
+def init_distributed(device_name: str) -> Dist:
+    """Join (or, without a launcher, create) the process group: NCCL on GPUs, gloo on CPU. On GPUs, set the
+    attention kernels torch may pick (`use_attention_kernel`)."""
     use_cuda = resolve_device(device_name, "train.device").type == "cuda"
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -102,7 +101,7 @@ def init_distributed(device_name: str, attention: str = "flash") -> Dist:
                                                         torch.cuda.device_count() if use_cuda else 0)
     if use_cuda:
         torch.cuda.set_device(device)
-        use_attention_kernel(attention)
+        use_attention_kernel()
         # The fp32 LoRA matmuls may use TF32 tensor cores; the frozen base runs in its own dtype.
         torch.backends.cuda.matmul.allow_tf32 = True
     if "RANK" not in os.environ and not torch.distributed.is_initialized():

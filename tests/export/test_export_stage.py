@@ -11,6 +11,7 @@ diffusers file's total update.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +143,27 @@ def test_export_refuses_a_lora_trained_with_other_params_than_params_yaml_holds(
     assert not (tmp_path / "edited").exists()
     edited = dataclasses.replace(params, scan=dataclasses.replace(params.scan, workers=3))  # not read by train
     assert export_lora(edited, *args, tmp_path / "scan-edited")
+def test_an_export_that_runs_out_of_room_publishes_nothing_and_names_the_file(exported, tmp_path) -> None:
+    """A real file size limit (RLIMIT_FSIZE, as a full disk fails a write): past the diffusers file but short of
+    the ComfyUI one, and past both LoRA files but short of the merged weights. Either way the export stops with
+    one error naming the file that did not fit and the errno, and publishes none of its files: no LoRA file
+    without the others and its lineage."""
+    from tests.train.test_checkpoint import file_size_limited
+
+    artifacts = exported / "artifacts"
+    diffusers, comfyui = ((artifacts / f"shapes-lora.{fmt}.safetensors").stat().st_size
+                          for fmt in ("diffusers", "comfyui"))
+    merged = max(p.stat().st_size for p in (artifacts / "shapes-lora.merged").rglob("*.safetensors"))
+    lineage = (artifacts / "shapes-lora.lineage.json").stat().st_size
+    assert max(diffusers, lineage) < comfyui < merged
+    for limit, short in (((max(diffusers, lineage) + comfyui) // 2, "shapes-lora.comfyui.safetensors"),
+                         ((comfyui + merged) // 2, "shapes-lora.merged")):
+        out = tmp_path / f"out-{limit}"
+        result = subprocess.run([sys.executable, "-m", "stages.export", "--out", str(out)], cwd=exported,
+                                env=run_env(exported.parent / "store"), capture_output=True, text=True,
+                                preexec_fn=file_size_limited(limit), timeout=600)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert (f"error: cannot write {out / short}: the file would exceed the file size limit (ulimit -f) (EFBIG"
+                in result.stderr), result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert not out.exists() or list(out.iterdir()) == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from diffusion_pipe.models.flux import FluxAdapter
-from diffusion_pipe.train.build import build_local_model, stage_bounds
+from diffusion_pipe.train.build import build_local_model, seed_lora_dropout, stage_bounds
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,18 @@ def test_lora_init_does_not_depend_on_layout(model_dir):
             assert torch.equal(p, want[name]), name
             compared += 1
     assert compared > 0
+
+
+def test_lora_dropout_draws_differ_by_data_parallel_rank_and_repeat_by_seed():
+    """LoRA dropout draws from torch's global RNG, seeded per data-parallel rank: two ranks drop different units
+    (the same masks on every rank would correlate what their averaged gradients miss); a rank seeded again draws
+    the same."""
+    dropout = torch.nn.Dropout(0.5)
+    x = torch.ones(256)
+
+    def mask(seed: int, dp_rank: int) -> torch.Tensor:
+        seed_lora_dropout(seed, dp_rank)
+        return dropout(x) == 0
+
+    assert torch.equal(mask(0, 1), mask(0, 1))
+    assert not torch.equal(mask(0, 0), mask(0, 1)) and not torch.equal(mask(0, 1), mask(1, 1))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffusion_pipe.fileio import WriteError, naming_write_errors
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
 from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
@@ -121,6 +122,79 @@ def test_no_intact_checkpoint_is_an_error_naming_each(whole, tmp_path, capsys):
     (directory.parent / "fresh" / "step3").mkdir(parents=True)
     assert choose_checkpoint(directory.parent / "fresh", announce=True).step is None
     assert "has no manifest.json and is not used" in capsys.readouterr().err
+
+
+def intact_step_dir(directory: Path, step: int) -> Path:
+    """A step directory that passes `check_step_dir`: one-stage files (any bytes) and a manifest of their hashes."""
+    path = directory / f"step{step}"
+    path.mkdir(parents=True)
+    files = {}
+    for name in ("rng.safetensors", "state.json", "stage0.safetensors", "stage0.json"):
+        (path / name).write_bytes(f"{name} of step {step}".encode())
+        files[name] = hash_file(path / name)
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "stages": 1, "world": 1,
+                                                    "files": files}))
+    return path
+
+
+def test_a_newest_save_cut_short_is_skipped_for_the_previous_intact_one(tmp_path, capsys):
+    """A step directory without a manifest (a save cut short, say by a full disk) newer than an intact one: the
+    search passes over it and resumes from the intact one, instead of stopping there and starting over."""
+    intact = intact_step_dir(tmp_path, 6)
+    intact_step_dir(tmp_path, 3)
+    (tmp_path / "step9").mkdir()
+    (tmp_path / "step9/stage0.safetensors").write_bytes(b"half a file")
+    found = choose_checkpoint(tmp_path, announce=True)
+    assert (found.step, found.path, found.incomplete, found.damaged) == (6, intact, ["step9"], [])
+    err = capsys.readouterr().err
+    assert "step9 has no manifest.json and is not used" in err and "resuming from step6" in err
+
+
+def file_size_limited(limit: int):
+    """A `preexec_fn` that caps the size of any file the child writes at `limit` bytes, a real limit rather than
+    a mocked write: past it, a write fails with EFBIG (SIGXFSZ, which would kill the child, is ignored)."""
+    def limit_files() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_files
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_is_an_error_naming_the_file_and_enospc():
+    """A write to a full device (Linux's /dev/full fails every write with ENOSPC): one WriteError naming the file,
+    that the disk is full and the errno, with the room left there."""
+    with pytest.raises(WriteError, match=r"^cannot write /dev/full: the disk is full \(ENOSPC: No space left on "
+                                         r"device; [\d.]+ MB free there\)\. Free space on that disk"):
+        with naming_write_errors("/dev/full"), open("/dev/full", "wb") as fh:
+            fh.write(b"a checkpoint")
+            fh.flush()
+
+
+def test_a_disk_that_fills_at_the_end_keeps_the_lora_and_names_the_file(encoded_repo, whole, tmp_path):
+    """A file size limit between the LoRA's size and a checkpoint stage file's (a disk with room for the small
+    LoRA, not for the large checkpoint): the LoRA is written first, whole and as the run never stopped would
+    write it, and the final checkpoint's failure is one error naming the file and the errno, not a traceback.
+    The step directory it left has no manifest, so a rerun resumes from the last intact checkpoint (as above)."""
+    repo, store = encoded_repo
+    runs = tmp_path / "runs"
+    directory = copy_run(whole, runs)
+    shutil.rmtree(directory / "step12")  # resumes at step 9; its last step's checkpoint is the one that fails
+    lora_size = (whole / "out/lora.safetensors").stat().st_size
+    stage_size = (directory / "step9/stage0.safetensors").stat().st_size
+    assert lora_size * 2 < stage_size
+    out = subprocess.run(train_cmd(runs), cwd=repo, env=run_env(store), capture_output=True, text=True,
+                         preexec_fn=file_size_limited(lora_size * 2), timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"error: cannot write {directory / 'step12/stage0.safetensors'}: the file would exceed the file size "
+            "limit (ulimit -f) (EFBIG") in out.stderr
+    assert f"its LoRA was written to {runs / 'out/lora.safetensors'} before this final checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert (runs / "out/lora.safetensors").read_bytes() == (whole / "out/lora.safetensors").read_bytes()
+    assert (runs / "loss.csv").read_text() == (whole / "loss.csv").read_text()
+    assert not (directory / "step12/manifest.json").exists() and find_newest_intact(directory).step == 9
 
 
 def test_damaged_checkpoints_fall_back_and_the_run_ends_as_if_never_stopped(encoded_repo, whole, tmp_path):

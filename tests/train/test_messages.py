@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from diffusion_pipe.params import TrainParams
+import pytest
+
+from diffusion_pipe.config import ConfigError
+from diffusion_pipe.params import TrainParams, load_params
 from diffusion_pipe.train.loop import schedule_warnings
 from tests.conftest import make_pipeline_repo, run_checked, run_env
 
@@ -16,10 +19,31 @@ def test_warmup_at_least_steps_is_warned_about():
     assert schedule_warnings(TrainParams(steps=11, warmup_steps=10)) == []
 
 
-def test_the_cudnn_attention_kernel_is_warned_about():
-    (warning,) = schedule_warnings(TrainParams(steps=11, attention="cudnn"))
-    assert "train.attention: cudnn" in warning and "attention: flash" in warning
-    assert schedule_warnings(TrainParams(steps=11, attention="flash")) == []
+def test_a_params_file_still_choosing_the_removed_cudnn_kernel_is_told_why_and_what_to_use(tmp_path):
+    """train.attention: cudnn trained on wrong gradients (H100) and crashed (H200): it is refused at load, saying
+    so and naming the fix, not with a bare 'unknown value'."""
+    path = tmp_path / "params.yaml"
+    path.write_text("model: {path: m}\nscan:\n  datasets: [{path: d}]\ntrain:\n  attention: cudnn\n")
+    with pytest.raises(ConfigError, match=r"train: attention: cudnn was removed: cuDNN's attention kernel computed "
+                                          r"wrong gradients .* set attention: flash \(the default\)"):
+        load_params(path)
+    path.write_text(path.read_text().replace("cudnn", "sdpa"))
+    with pytest.raises(ConfigError, match=r"train: attention: got 'sdpa'; the only kernel is 'flash'"):
+        load_params(path)
+    assert TrainParams(attention="flash").attention == "flash"
+
+
+def test_a_run_diverging_at_its_first_step_does_not_blame_the_learning_rate(tmp_path):
+    """A first step's loss comes from the initial weights, before any learning rate was applied: a NaN there (a
+    timestep or noise param out of its depth, float16 overflow, bad data) names those, not the learning rate;
+    later steps name the learning rate and clipping."""
+    from diffusion_pipe.train.guards import diverged
+
+    first = str(diverged(1, float("nan"), None, TrainParams(flow_shift=50.0), None, tmp_path))
+    assert "diverged at its first step" in first and "the learning rate is not the cause" in first
+    assert "train.flow_shift (now 50)" in first and "Lower train.learning_rate" not in first
+    later = str(diverged(5, float("nan"), None, TrainParams(), 4, tmp_path))
+    assert "Lower train.learning_rate (now 0.0001)" in later and "the last checkpoint, step 4" in later
 
 
 def test_train_stage_warns_and_shows_eval_progress(tmp_path):

@@ -59,6 +59,10 @@ def test_offset_noise_adds_one_constant_per_sample_and_channel():
     assert torch.allclose(delta, delta[..., :1, :1, :1].expand_as(delta))  # constant over frames, height, width
     assert delta[:, :, 0, 0, 0].abs().min() > 0 and delta.abs().max() < 0.6
     assert len(set(delta[:, :, 0, 0, 0].flatten().tolist())) == 6  # one draw per sample and channel
+    # drawn from the micro-batch's own generator: the same seed draws the same offsets, another seed others
+    again = offset_noise(noise, 0.1, torch.Generator().manual_seed(0)) - noise
+    other = offset_noise(noise, 0.1, torch.Generator().manual_seed(1)) - noise
+    assert torch.equal(again, delta) and not torch.allclose(other, delta)
 
 
 def test_weighted_mse_is_the_mean_of_weighted_per_sample_errors():
@@ -97,3 +101,38 @@ def test_loss_weights_multiply_min_snr_by_each_rows_dataset_weight(tmp_path):
     assert torch.allclose(weights(5.0, rows), snr * torch.tensor([2.0, 1.0]))
     assert torch.equal(weights(0.0, rows), torch.tensor([2.0, 1.0]))
     assert weights(0.0, [rows[1], rows[1]]) is None
+
+
+def test_min_snr_weights_of_a_v_prediction_checkpoint_use_the_v_formula(tmp_path):
+    """An SDXL checkpoint whose scheduler says v_prediction trains with min-SNR weights min(SNR, gamma) / (SNR + 1):
+    the training batches' weights follow the checkpoint's objective, not epsilon's min(SNR, gamma) / SNR."""
+    import json
+
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.models import load_adapter
+    from diffusion_pipe.params import ModelParams
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.data import MicroBatches, Row
+    from tests.conftest import REPO
+
+    source = REPO / "examples/sdxl-tiny/model"
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for part in source.iterdir():
+        if part.name != "scheduler":
+            (model_dir / part.name).symlink_to(part)
+    config = json.loads((source / "scheduler/scheduler_config.json").read_text())
+    (model_dir / "scheduler").mkdir()
+    (model_dir / "scheduler/scheduler_config.json").write_text(json.dumps({**config, "prediction_type": "v_prediction"}))
+    adapter = load_adapter(from_dict(ModelParams, {"family": "sdxl", "path": str(model_dir)}, "model"))
+    assert adapter.objective() == "v"
+    loader = MicroBatches([Row("a", "64x64x1", 1, "la", "ta"), Row("b", "64x64x1", 1, "lb", "tb")], Store(tmp_path),
+                          adapter, micro_batch_size=1, seed=0, dp_rank=0, dp_world=1, timestep_sampling="uniform",
+                          flow_shift=1.0, guidance=1.0, min_snr_gamma=5.0)
+    timesteps = torch.tensor([10, 900])
+    snr = compute_snr(DDPMScheduler(**{k: config[k] for k in ("num_train_timesteps", "beta_start", "beta_end",
+                                                               "beta_schedule")}), timesteps)
+    assert torch.allclose(loader._loss_weights([0, 1], timesteps), torch.clamp(snr, max=5.0) / (snr + 1), rtol=1e-3)
