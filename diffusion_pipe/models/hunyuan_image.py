@@ -265,8 +265,7 @@ class HunyuanImageAdapter(Adapter):
         pipe = super().sample_pipeline(denoiser, vae)
         for name in ("guider", "ocr_guider"):
             if (self.model_dir / name).is_dir():
-                cls = getattr(diffusers, json.loads((self.model_dir / name / "guider_config.json").read_text())[
-                    "_class_name"])
+                cls = getattr(diffusers, self.model_json(f"{name}/guider_config.json")["_class_name"])
                 pipe.register_modules(**{name: cls.from_pretrained(self.model_dir / name)})
         return pipe
 

@@ -9,7 +9,6 @@ weights and a 1-stage and an N-stage run agree.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.model_folder import model_folder_error, read_model_json, require_file
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.train.lora import add_lora, target_module_names
 
@@ -43,10 +43,13 @@ def stage_bounds(num_layers: int, num_stages: int, stage: int) -> tuple[int, int
 def _weight_files(directory: Path) -> list[Path]:
     index = sorted(directory.glob("*.safetensors.index.json"))
     if index:
-        return sorted({directory / f for f in json.loads(index[0].read_text())["weight_map"].values()})
+        # a shard the index names but the folder lacks (a download cut short) is named, not a bare [Errno 2]
+        shards = read_model_json(index[0]).get("weight_map", {}).values()
+        return sorted({require_file(directory / f) for f in shards})
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{directory}: no .safetensors weights; the denoiser must be in safetensors format")
+        raise model_folder_error(directory, "no .safetensors weights (the denoiser must be in safetensors format)",
+                                 directory.parent)
     return files
 
 
@@ -109,6 +112,7 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
     from accelerate import init_empty_weights
 
     cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
+    require_file(directory / "config.json", adapter.model_dir)
     with init_empty_weights(include_buffers=False):
         denoiser = cls.from_config(cls.load_config(directory))
     denoiser.requires_grad_(False)
