@@ -261,8 +261,8 @@ def warn_truncated(truncated: dict[str, dict]) -> None:
     for name, t in truncated.items():
         if t["captions"]:
             more = f" and {t['captions'] - len(t['first'])} more" if t["captions"] > len(t["first"]) else ""
-            print(f"encode: warning: {t['captions']} captions are longer than the {t['limit']} tokens the encoder "
-                  f"of {name} reads, so their ends are cut off: {', '.join(t['first'])}{more}. Shorten them "
+            print(f"encode: warning: the encoder of {name} reads {t['limit']} tokens of a caption and cuts off the "
+                  f"rest; captions longer than that: {t['captions']} ({', '.join(t['first'])}{more}). Shorten them "
                   "(encode.text_max_length sets the limit of the encoders other than CLIP)", file=sys.stderr)
 
 
