@@ -3,7 +3,8 @@
 Every place that reads a component's folder or file from `model.path` (configs, weights, tokenizers, scheduler,
 on the encode, train and sample side) goes through `require_file`, `require_dir` or `read_model_json`, or raises
 `model_folder_error`, so a half-downloaded or hand-assembled model folder gets the same message everywhere,
-naming what is missing and what the folder should hold, instead of a bare `[Errno 2]` or a library's traceback.
+naming what is missing and what the folder should hold, instead of a bare `[Errno 2]`, a KeyError or a library's
+traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +24,26 @@ FIX = ("download the whole model again (a hub id as model.path fetches every par
 class ModelFolderError(UserError, FileNotFoundError):
     """A model folder lacks a part a stage loads, or holds it unreadable. A FileNotFoundError too, so callers
     (and the stages' error printing) that knew only that keep working."""
+
+
+class MissingModelKey(ModelFolderError, KeyError):
+    """A model file's JSON object lacks a key an adapter reads. A KeyError too, so library code that reads a config
+    with a fallback for a missing key (`except KeyError`) keeps working."""
+
+
+class ModelJson(dict):
+    """The JSON object of model file `path`: reading a key it lacks raises MissingModelKey naming the file and the
+    key (a config of another model, or of an older format), not a bare KeyError deep in an adapter. `get` and `in`
+    work as on any dict."""
+
+    def __init__(self, value: dict, path: Path, model_dir: Path) -> None:
+        super().__init__(value)
+        self.path, self.model_dir = Path(path), Path(model_dir)
+
+    def __missing__(self, key: object) -> object:
+        error = model_folder_error(self.path, f"has no {key!r}: is it this model family's "
+                                              f"{self.path.parent.name}, in diffusers format?", self.model_dir)
+        raise MissingModelKey(*error.args)
 
 
 def model_folder_error(path: Path, problem: str, model_dir: Path) -> ModelFolderError:
@@ -52,10 +73,10 @@ def require_file(path: Path, model_dir: Path | None = None) -> Path:
     return path
 
 
-def read_model_json(path: Path, model_dir: Path | None = None) -> dict:
+def read_model_json(path: Path, model_dir: Path | None = None) -> ModelJson:
     """The JSON object in model file `path` (a component's config.json, scheduler_config.json,
-    model_index.json, ...); a ModelFolderError when it is missing, unreadable or not a JSON object (a download
-    cut short). `model_dir` as for `require_file`."""
+    model_index.json, ...), as a ModelJson; a ModelFolderError when it is missing, unreadable or not a JSON object
+    (a download cut short). `model_dir` as for `require_file`."""
     model_dir = model_dir or Path(path).parent.parent
     text = require_file(path, model_dir).read_bytes()
     try:
@@ -64,4 +85,4 @@ def read_model_json(path: Path, model_dir: Path | None = None) -> dict:
         raise model_folder_error(path, f"not valid JSON ({exc})", model_dir) from None
     if not isinstance(value, dict):
         raise model_folder_error(path, f"holds a JSON {type(value).__name__}, not an object", model_dir)
-    return value
+    return ModelJson(value, path, model_dir)

@@ -313,22 +313,28 @@ class Adapter(ABC):
         """The family's pipeline over `denoiser` (as it is being trained), `vae` and the model's own scheduler,
         without text encoders: prompts arrive as stored embeddings (`sample_inputs`), so no text encoder sits
         in memory during training."""
-        import diffusers
-
-        from diffusion_pipe.model_folder import model_folder_error
         from diffusion_pipe.models.common import bare_pipeline
 
-        scheduler_dir = self.model_dir / "scheduler"
-        name = self.noise_schedule().get("_class_name", "")
-        scheduler_cls = getattr(diffusers, name, None) if name else None
-        if scheduler_cls is None:
-            raise model_folder_error(scheduler_dir / "scheduler_config.json",
-                                     f"names no diffusers scheduler class (_class_name: {name!r})", self.model_dir)
         pipe = bare_pipeline(self.pipeline_class(), **{self.denoiser_dir().name: denoiser, "vae": vae,
-                                                       "scheduler": scheduler_cls.from_pretrained(scheduler_dir)},
+                                                       "scheduler": self.load_scheduler()},
                              **self.pipeline_config())
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
+
+    def load_scheduler(self, component: str = "scheduler") -> object:
+        """The diffusers scheduler of folder `component` (the class its scheduler_config.json names): a
+        ModelFolderError naming the file when it is missing or names no diffusers scheduler."""
+        import diffusers
+
+        from diffusion_pipe.model_folder import model_folder_error
+
+        config = self.model_json(f"{component}/scheduler_config.json")
+        name = config.get("_class_name", "")
+        scheduler_cls = getattr(diffusers, name, None) if name else None
+        if scheduler_cls is None:
+            raise model_folder_error(self.model_dir / component / "scheduler_config.json",
+                                     f"names no diffusers scheduler class (_class_name: {name!r})", self.model_dir)
+        return scheduler_cls.from_pretrained(self.model_dir / component)
 
     def pipeline_config(self) -> dict:
         """Settings the family's pipeline takes besides its components (Krea 2: the text layers it taps), as the

@@ -69,9 +69,13 @@ def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch
         module = model_around(cls, config, state, dtype) or cls.from_pretrained(
             None, config=config, state_dict=state, dtype=dtype, device_map=device)
     else:
+        from safetensors import SafetensorError
+
         try:
             module = cls.from_pretrained(directory, torch_dtype=dtype)
-        except OSError as exc:  # diffusers and transformers say "no file named ..." as an OSError
+        # diffusers and transformers say "no file named ..." (and diffusers a file cut short) as an OSError;
+        # transformers lets safetensors' own error about a file cut short through
+        except (OSError, SafetensorError) as exc:
             raise model_folder_error(directory, f"{cls.__name__} cannot load from it ({exc})",
                                      directory.parent) from exc
     module.requires_grad_(False)

@@ -406,10 +406,7 @@ class MiniMaxH3Adapter(Adapter):
 
     def sample_pipeline(self, denoiser: nn.Module, vae: nn.Module) -> object:
         """The pipeline's blocks over `denoiser` (as it is being trained), `vae` and the model's two schedulers."""
-        from diffusers import MiniMaxH3Scheduler
-
-        pipe = MiniMaxH3VideoPipeline(denoiser, vae, MiniMaxH3Scheduler.from_pretrained(self.model_dir / "scheduler"),
-                                      MiniMaxH3Scheduler.from_pretrained(self.model_dir / "audio_scheduler"))
+        pipe = MiniMaxH3VideoPipeline(denoiser, vae, self.load_scheduler(), self.load_scheduler("audio_scheduler"))
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 

@@ -57,7 +57,7 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
     """Materialise the parameters and buffers `names` of `module` from the safetensors files in `directory`,
     or from the single file a model view's component stands for (reading only these tensors)."""
     from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from diffusion_pipe.models.checkpoints import read_single_file_marker, single_file_weights
 
@@ -75,7 +75,12 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
                                     f"tensors); is it a complete {type(module).__name__} of this model's shape?")
         return
     for path in _weight_files(directory):
-        with safe_open(str(path), "pt") as f:
+        try:
+            f = safe_open(str(path), "pt")
+        except SafetensorError as exc:
+            raise model_folder_error(path, f"not a whole safetensors file ({exc}); a download cut short?",
+                                     directory.parent) from None
+        with f:
             for key in f.keys():
                 if key in missing:
                     tensor = f.get_tensor(key)
@@ -84,8 +89,8 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
                                                 dtype=dtype if tensor.is_floating_point() else None)
                     missing.discard(key)
     if missing:
-        raise FileNotFoundError(f"{directory}: weights missing for {sorted(missing)[:5]} "
-                                f"({len(missing)} tensors); is model.path a complete diffusers model?")
+        raise model_folder_error(directory, f"weights missing for {sorted(missing)[:5]} ({len(missing)} tensors)",
+                                 directory.parent)
 
 
 def init_lora_deterministic(model: nn.Module, seed: int) -> None:

@@ -4,6 +4,7 @@ library traceback, or (the tokenizer) a run that trains on one text for every ca
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusion_pipe.model_folder import ModelFolderError
+from diffusion_pipe.model_folder import MissingModelKey, ModelFolderError
 from diffusion_pipe.models.common import load_tokenizer
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.train.build import build_local_model
@@ -64,6 +65,35 @@ def test_a_config_cut_short_is_named_not_a_json_traceback(model_dir: Path) -> No
     (model_dir / "vae" / "config.json").write_text('{"block_out_channels": [16,')
     with pytest.raises(ModelFolderError, match=rf"{model_dir}/vae/config.json: not valid JSON .*{LAYOUT}"):
         FluxAdapter(model_dir, torch.float32).vae_scale
+
+
+@pytest.mark.parametrize(("part", "load"), [
+    ("text_encoder/model.safetensors", lambda a: a.load_text_encoders(CPU)),  # transformers: a SafetensorError
+    ("transformer/diffusion_pytorch_model.safetensors", _build_stage),  # train's own loader: a SafetensorError
+    ("vae/diffusion_pytorch_model.safetensors", lambda a: a.load_vae(CPU)),  # diffusers: an OSError
+], ids=["text_encoder", "transformer", "vae"])
+def test_a_weights_file_cut_short_is_named(model_dir: Path, part: str, load: Callable[[FluxAdapter], object]) -> None:
+    path = model_dir / part
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(ModelFolderError, match=rf"{model_dir}/{part.split('/')[0]}.*: .*{LAYOUT}"):
+        load(FluxAdapter(model_dir, torch.float32))
+
+
+def test_a_config_without_a_key_the_family_reads_names_the_file_and_key(model_dir: Path) -> None:
+    """A config of another model (or format): the key is named, not a bare KeyError; still a KeyError to library
+    code that reads a config with a fallback."""
+    (model_dir / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "in_channels": 3}))
+    with pytest.raises(MissingModelKey, match=rf"{model_dir}/vae/config.json: has no 'block_out_channels': is it "
+                                              rf"this model family's vae, in diffusers format\?.*{LAYOUT}") as err:
+        FluxAdapter(model_dir, torch.float32).vae_scale
+    assert isinstance(err.value, KeyError)
+
+
+def test_a_scheduler_config_naming_no_scheduler_is_named(model_dir: Path) -> None:
+    (model_dir / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "NoSuchScheduler"}))
+    with pytest.raises(ModelFolderError, match=r"scheduler_config.json: names no diffusers scheduler class "
+                                               r"\(_class_name: 'NoSuchScheduler'\)"):
+        FluxAdapter(model_dir, torch.float32).sample_pipeline(None, None)
 
 
 @pytest.mark.parametrize("tokenizer", ["tokenizer", "tokenizer_2"])  # CLIP's BPE, T5's Unigram
