@@ -752,6 +752,22 @@ MUTATIONS: list[Mutation] = [
              "    directory = require_dir(directory)\n", "    directory = Path(directory)\n",
              ("tests/models/test_model_folder.py", "tests/test_weights.py"),
              "a missing component or tokenizer folder is hashed as empty instead of named as missing"),
+    Mutation("hidream-clip-limit-248", "diffusion_pipe/models/hidream.py",
+             '        return limits | {name: min(max_length, 218) for name in ("tokenizer", "tokenizer_2")}\n',
+             "        return limits\n", ("tests/encode/test_text_checks.py",),
+             "HiDream's captions are counted against Long-CLIP's 248 tokens, though its pipeline reads 218"),
+    Mutation("hunyuan-image-byt5-counted", "diffusion_pipe/models/hunyuan_image.py",
+             '        return {name: n for name, n in limits.items() if name != "tokenizer_2"}\n',
+             "        return limits\n", ("tests/encode/test_text_checks.py",),
+             "captions are reported cut at ByT5's length, though ByT5 reads only their quoted text"),
+    Mutation("model-config-missing-key-bare", "diffusion_pipe/model_folder.py",
+             "    return ModelJson(value, path, model_dir)", "    return value",
+             ("tests/models/test_model_folder.py",),
+             "a config without a key the family reads is a bare KeyError"),
+    Mutation("train-weights-cut-short-bare", "diffusion_pipe/train/build.py",
+             "        except SafetensorError as exc:\n", "        except ImportError as exc:\n",
+             ("tests/models/test_model_folder.py",),
+             "train on a denoiser weights file cut short: safetensors' own error, a traceback"),
 ]
 
 

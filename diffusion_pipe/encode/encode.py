@@ -231,16 +231,16 @@ TRUNCATED_NAMES_SHOWN = 5  # items a truncation warning (and the report) names, 
 
 def truncated_captions(rows: list[dict], tokenizers: dict[str, object], limits: dict[str, int],
                        caption_extensions: dict[str, str]) -> dict[str, dict]:
-    """Per tokenizer (by component name): the token limit its encoder reads (`limits`), how many of the usable
-    manifest `rows` have a caption (or tag order) longer than that, which the encoder reads cut, and the first
-    TRUNCATED_NAMES_SHOWN of them as 'dataset/path (caption file)' (`caption_extensions`: each dataset's, by
-    manifest name). Tokens are counted with the tokenizer's special tokens; a template the family wraps captions
-    in is not counted."""
+    """Per tokenizer (by component name) of `limits` (`Adapter.caption_token_limits`: the tokens its encoder
+    reads of a caption): that limit, how many of the usable manifest `rows` have a caption (or tag order) longer
+    than that, which the encoder reads cut, and the first TRUNCATED_NAMES_SHOWN of them as 'dataset/path (caption
+    file)' (`caption_extensions`: each dataset's, by manifest name). Tokens are counted with the tokenizer's
+    special tokens; a template the family wraps captions in is not counted."""
     rows = [row for row in rows if row["status"] == "ok"]
     texts = sorted({t for row in rows for t in (row["caption"], *(row.get("caption_variants") or ()))})
     out = {}
-    for name, tokenizer in tokenizers.items():
-        limit = limits[name]
+    for name, limit in limits.items():
+        tokenizer = tokenizers[name]
         lengths = dict(zip(texts, (len(ids) for ids in tokenizer(texts)["input_ids"]))) if texts else {}
         cut = [row for row in rows
                if any(lengths[t] > limit for t in (row["caption"], *(row.get("caption_variants") or ())))]

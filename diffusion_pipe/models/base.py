@@ -134,10 +134,11 @@ class Adapter(ABC):
 
     def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
         """How many tokens of a caption (special tokens included) each tokenizer's encoder reads, by tokenizer
-        name; a longer caption is cut there. The default is how diffusers' pipelines read them: a CLIP encoder at
-        its tokenizer's `model_max_length` (its positions, 77), whatever `encode.text_max_length` says; any other
-        at `max_length` (`encode.text_max_length`), or its tokenizer's `model_max_length` where that is shorter.
-        A family that reads an encoder otherwise overrides this."""
+        name; a longer caption is cut there (encode counts such captions). The default is how diffusers' pipelines
+        read them: a CLIP encoder at its tokenizer's `model_max_length` (its positions, 77), whatever
+        `encode.text_max_length` says; any other at `max_length` (`encode.text_max_length`), or its tokenizer's
+        `model_max_length` where that is shorter. A family that reads an encoder otherwise overrides this, and
+        leaves out a tokenizer that never cuts a caption (one that reads only part of it, or refuses a longer one)."""
         limits = {}
         for name, tokenizer in tokenizers.items():
             own = int(getattr(tokenizer, "model_max_length", max_length) or max_length)

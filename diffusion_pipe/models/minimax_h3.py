@@ -246,6 +246,11 @@ class MiniMaxH3Adapter(Adapter):
         return ({"text_encoder": self.model_dir / "text_encoder"},
                 {"tokenizer": self.model_dir / "tokenizer", "processor": self.model_dir / "processor"})
 
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """None: the pipeline never cuts a prompt, and `encode_text` refuses a caption longer than
+        `encode.text_max_length`."""
+        return {}
+
     def text_template(self) -> str:
         """No template: the caption verbatim, without special tokens, read at the pipeline's hidden state."""
         return f"verbatim, no special tokens, hidden_states[{pipeline_fact('text_encoder_layer')}]"

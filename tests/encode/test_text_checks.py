@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffusion_pipe.config import from_dict
 from diffusion_pipe.encode.encode import encode_manifest
@@ -68,3 +69,17 @@ def test_captions_longer_than_an_encoder_reads_are_counted_and_named(
             f"longer than that: 1 ({long_item}).") in err
     assert f"the encoder of tokenizer_2 reads 16 tokens of a caption and cuts off the rest; captions longer than " \
            f"that: 2 ({long_item}, {medium_item})." in err
+
+
+@pytest.mark.parametrize(("family", "limits"), [
+    ("flux", {"tokenizer": 77, "tokenizer_2": 512}),  # CLIP at its 77 positions, T5 at encode.text_max_length
+    ("sdxl", {"tokenizer": 77, "tokenizer_2": 77}),  # two CLIPs: text_max_length does not apply
+    ("hidream", {"tokenizer": 218, "tokenizer_2": 218, "tokenizer_3": 512, "tokenizer_4": 512}),  # Long-CLIP: 218
+    ("hunyuan_image", {"tokenizer": 512}),  # ByT5 reads only the quoted text, never cutting the caption
+    ("minimax_h3", {}),  # never cuts: encode_text refuses a longer caption
+])
+def test_each_family_counts_against_the_length_its_pipeline_reads(family: str, limits: dict[str, int]) -> None:
+    from diffusion_pipe.models import adapter_class
+
+    adapter = adapter_class(family)(REPO / f"examples/{family}-tiny/model", torch.float32)
+    assert adapter.caption_token_limits(adapter.load_tokenizers(), 512) == limits
