@@ -768,6 +768,11 @@ MUTATIONS: list[Mutation] = [
              "        except SafetensorError as exc:\n", "        except ImportError as exc:\n",
              ("tests/models/test_model_folder.py",),
              "train on a denoiser weights file cut short: safetensors' own error, a traceback"),
+    Mutation("pinned-load-cut-short-bare", "diffusion_pipe/models/device_load.py",
+             '                raise model_folder_error(path, "the file ends before its safetensors header says',
+             '                raise OSError(path, "the file ends before its safetensors header says',
+             ("tests/models/test_device_load.py::test_a_truncated_file_is_named",),
+             "a text encoder cut short, loaded through pinned memory: a bare OSError traceback"),
 ]
 
 
