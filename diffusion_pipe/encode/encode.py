@@ -241,7 +241,9 @@ def truncated_captions(rows: list[dict], tokenizers: dict[str, object], limits: 
     out = {}
     for name, limit in limits.items():
         tokenizer = tokenizers[name]
-        lengths = dict(zip(texts, (len(ids) for ids in tokenizer(texts)["input_ids"]))) if texts else {}
+        # verbose=False: transformers' own line per over-long text would repeat what the warning below says
+        ids = tokenizer(texts, verbose=False)["input_ids"] if texts else []
+        lengths = dict(zip(texts, map(len, ids)))
         cut = [row for row in rows
                if any(lengths[t] > limit for t in (row["caption"], *(row.get("caption_variants") or ())))]
         out[name] = {"limit": limit, "captions": len(cut),
@@ -262,8 +264,9 @@ def warn_truncated(truncated: dict[str, dict]) -> None:
         if t["captions"]:
             more = f" and {t['captions'] - len(t['first'])} more" if t["captions"] > len(t["first"]) else ""
             print(f"encode: warning: the encoder of {name} reads {t['limit']} tokens of a caption and cuts off the "
-                  f"rest; captions longer than that: {t['captions']} ({', '.join(t['first'])}{more}). Shorten them "
-                  "(encode.text_max_length sets the limit of the encoders other than CLIP)", file=sys.stderr)
+                  f"rest; captions longer than that: {t['captions']} ({', '.join(t['first'])}{more}). Shorten them, "
+                  "or raise encode.text_max_length where it sets the limit (CLIP's 77 tokens are fixed)",
+                  file=sys.stderr)
 
 
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams,

@@ -135,8 +135,8 @@ def model_around(cls: type, config, state: dict[str, torch.Tensor], dtype: torch
 
 # Words a working tokenizer of any family's vocabulary encodes to different ids. A folder without its vocabulary
 # files (tokenizer.json, vocab.json + merges.txt, spiece.model) still loads: transformers builds a tokenizer of
-# its special tokens alone that maps every word to <unk>, so every caption would encode alike (three of these
-# words have three letters each, which catches a vocabulary of single characters all unknown too).
+# its special tokens alone that maps every word to <unk>, so every caption would encode alike (five of these
+# words have three letters each, which catches a vocabulary whose every character is unknown too).
 TOKENIZER_PROBE = "a red cat sat on a big dog"
 
 
