@@ -745,7 +745,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/models/test_model_folder.py",),
              "train without transformer/config.json: diffusers' OSError traceback"),
     Mutation("load-component-oserror-bare", "diffusion_pipe/models/common.py",
-             "        except OSError as exc:  # diffusers and transformers", "        except ImportError as exc:  #",
+             "        except (OSError, SafetensorError) as exc:", "        except SafetensorError as exc:",
              ("tests/models/test_model_folder.py",),
              "a component folder without its weights: transformers' OSError traceback"),
     Mutation("hash-listing-no-folder-check", "diffusion_pipe/weights.py",
