@@ -1,10 +1,10 @@
 """What a diffusers model folder holds, and the one error for a folder that lacks a part a stage loads.
 
-Every place that reads a component's folder or file from `model.path` (configs, weights, tokenizers, scheduler,
-on the encode, train and sample side) goes through `require_file`, `require_dir` or `read_model_json`, or raises
-`model_folder_error`, so a half-downloaded or hand-assembled model folder gets the same message everywhere,
-naming what is missing and what the folder should hold, instead of a bare `[Errno 2]`, a KeyError or a library's
-traceback.
+Every place in the adapters, encode and train (training samples included) that reads a component's folder or
+file from `model.path` (configs, weights, tokenizers, schedulers, model_index.json) goes through `require_file`,
+`require_dir` or `read_model_json`, or raises `model_folder_error`, so a half-downloaded or hand-assembled model
+folder gets the same message everywhere, naming what is missing and what the folder should hold, instead of a
+bare `[Errno 2]`, a KeyError or a library's traceback.
 """
 
 from __future__ import annotations
