@@ -15,6 +15,7 @@ from pathlib import Path
 
 from diffusion_pipe.fileio import write_json_atomic
 from diffusion_pipe.hashing import hash_bytes, hash_file, hash_json
+from diffusion_pipe.model_folder import model_folder_error, require_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # In a model view (diffusion_pipe.models.checkpoints), a component given as one single file is a folder holding
@@ -60,10 +61,8 @@ def file_hash_cached(path: Path, cache_dir: Path | None = None) -> str:
     return digest
 
 
-def _listing(directory: Path, what: str) -> list[Path]:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise NotADirectoryError(f"{what} directory {directory} does not exist: check the model path in params.yaml")
+def _listing(directory: Path) -> list[Path]:
+    directory = require_dir(directory)
     # Hidden files and folders are skipped: download tools keep timestamps and locks there
     # (e.g. .cache/huggingface/), which say nothing about the weights.
     return sorted(
@@ -92,14 +91,12 @@ def component_hash(directory: Path, cache_dir: Path | None = None) -> str:
                           "file": file_hash_cached(single, cache_dir)})
     files = {
         p.relative_to(directory).as_posix(): file_hash_cached(p, cache_dir)
-        for p in _listing(directory, "model component")
+        for p in _listing(directory)
         if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES)
     }
     if not any(name.endswith(WEIGHT_SUFFIXES) for name in files):
-        raise FileNotFoundError(
-            f"no weights file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {directory}: "
-            "point the param at a diffusers component folder such as <model>/vae"
-        )
+        raise model_folder_error(directory, f"no weights file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) "
+                                            "in it", directory.parent)
     return hash_json({"kind": "component", "files": files})
 
 
@@ -116,7 +113,7 @@ def has_weights(directory: Path) -> bool:
 def tokenizer_hash(directory: Path) -> str:
     """Hash of every (non-hidden) file in a tokenizer directory, by relative POSIX name."""
     directory = Path(directory)
-    files = {p.relative_to(directory).as_posix(): hash_file(p) for p in _listing(directory, "tokenizer")}
+    files = {p.relative_to(directory).as_posix(): hash_file(p) for p in _listing(directory)}
     if not files:
-        raise FileNotFoundError(f"tokenizer directory {directory} is empty: point the param at a tokenizer folder")
+        raise model_folder_error(directory, "empty: no tokenizer files in it", directory.parent)
     return hash_json({"kind": "tokenizer", "files": files})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_pipe.hashing import hash_file
+from diffusion_pipe.model_folder import ModelFolderError
 from diffusion_pipe.weights import component_hash, file_hash_cached, tokenizer_hash
 
 
@@ -110,7 +111,8 @@ def test_component_hash_depends_on_file_names(tmp_path: Path) -> None:
 
 
 def test_component_hash_errors(tmp_path: Path) -> None:
-    with pytest.raises(NotADirectoryError, match="does not exist"):
+    # a UserError the stages print as one line (a NotADirectoryError was a traceback)
+    with pytest.raises(ModelFolderError, match=r"nope: no such folder\. model\.path .* must be a diffusers-format"):
         component_hash(tmp_path / "nope", tmp_path / "cache")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
@@ -130,5 +132,5 @@ def test_tokenizer_hash(tmp_path: Path) -> None:
     (moved / "special_tokens_map.json").write_text("{}")
     assert tokenizer_hash(moved) != base
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="is empty"):
+    with pytest.raises(ModelFolderError, match="empty: no tokenizer files in it"):
         tokenizer_hash(tmp_path / "empty")

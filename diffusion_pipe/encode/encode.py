@@ -226,6 +226,49 @@ def text_image(content_hash: str, bucket: str, media: str, start: int = 0) -> di
             "frames": frames_spec(media, 1, start)}
 
 
+TRUNCATED_NAMES_SHOWN = 5  # items a truncation warning (and the report) names, of however many
+
+
+def truncated_captions(rows: list[dict], tokenizers: dict[str, object], limits: dict[str, int],
+                       caption_extensions: dict[str, str]) -> dict[str, dict]:
+    """Per tokenizer (by component name) of `limits` (`Adapter.caption_token_limits`: the tokens its encoder
+    reads of a caption): that limit, how many of the usable manifest `rows` have a caption (or tag order) longer
+    than that, which the encoder reads cut, and the first TRUNCATED_NAMES_SHOWN of them as 'dataset/path (caption
+    file)' (`caption_extensions`: each dataset's, by manifest name). Tokens are counted with the tokenizer's
+    special tokens; a template the family wraps captions in is not counted."""
+    rows = [row for row in rows if row["status"] == "ok"]
+    texts = sorted({t for row in rows for t in (row["caption"], *(row.get("caption_variants") or ()))})
+    out = {}
+    for name, limit in limits.items():
+        tokenizer = tokenizers[name]
+        # verbose=False: transformers' own line per over-long text would repeat what the warning below says
+        ids = tokenizer(texts, verbose=False)["input_ids"] if texts else []
+        lengths = dict(zip(texts, map(len, ids)))
+        cut = [row for row in rows
+               if any(lengths[t] > limit for t in (row["caption"], *(row.get("caption_variants") or ())))]
+        out[name] = {"limit": limit, "captions": len(cut),
+                     "first": [_caption_name(row, caption_extensions) for row in cut[:TRUNCATED_NAMES_SHOWN]]}
+    return out
+
+
+def _caption_name(row: dict, caption_extensions: dict[str, str]) -> str:
+    name = f"{row['dataset']}/{row['path']}"
+    if row.get("caption_source") == "txt":
+        return f"{name} ({Path(row['path']).with_suffix(caption_extensions.get(row['dataset'], '.txt')).name})"
+    return f"{name} (caption: {row.get('caption_source')})"
+
+
+def warn_truncated(truncated: dict[str, dict]) -> None:
+    """One warning line per tokenizer that cut captions (`truncated_captions`), naming the first few."""
+    for name, t in truncated.items():
+        if t["captions"]:
+            more = f" and {t['captions'] - len(t['first'])} more" if t["captions"] > len(t["first"]) else ""
+            print(f"encode: warning: the encoder of {name} reads {t['limit']} tokens of a caption and cuts off the "
+                  f"rest; captions longer than that: {t['captions']} ({', '.join(t['first'])}{more}). Shorten them, "
+                  "or raise encode.text_max_length where it sets the limit (CLIP's 77 tokens are fixed)",
+                  file=sys.stderr)
+
+
 def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encode: EncodeParams,
                  caption_dropout: bool = False) -> list[Sample]:
     """Every (item, bucket) of the manifest's usable rows with its latent and text keys; with `caption_dropout`,
@@ -553,6 +596,8 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
     device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
+    # Checked before anything is encoded or reused: entries a broken tokenizer made would be reused as well.
+    tokenizers = adapter.load_tokenizers()
 
     sources = latent_sources(samples, roots, control_roots)
     captions = text_sources(samples, roots, control_roots, reads_image)
@@ -617,12 +662,17 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
             for fam, c in counts.items():
                 c.by_other_workers = arrived[fam]  # still missing after rank 0's own share: the others' work
         write_encoded_table(samples, encoded_path)
+    truncated = truncated_captions(
+        manifest.to_pylist(), tokenizers, adapter.caption_token_limits(tokenizers, encode.text_max_length),
+        {d.manifest_name: d.caption_extension for d in scan.datasets})
+    warn_truncated(truncated)
     elapsed = time.perf_counter() - started
     report = {
         "samples": len(samples),
         "samples_by_split": {split: sum(s.split == split for s in samples) for split in ("train", "eval")},
         "conditioning_latents": len({k for s in samples for k in s.conditioning_keys}),
         **{fam: c.as_report() for fam, c in counts.items()},
+        "truncated_captions": truncated,
         "remote": remote.url if remote is not None else None,
         "workers": workers.world,
         "device": str(device),

@@ -7,7 +7,6 @@ lives in `diffusion_pipe.train.objectives`, parallelism in `diffusion_pipe.train
 
 from __future__ import annotations
 
-import json
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -86,7 +85,14 @@ class Adapter(ABC):
 
     def component_config(self, component: str) -> dict:
         """The diffusers `config.json` of one component directory (`vae`, `transformer`, `text_encoder`, ...)."""
-        return json.loads((self.model_dir / component / "config.json").read_text())
+        return self.model_json(f"{component}/config.json")
+
+    def model_json(self, name: str) -> dict:
+        """The JSON object in file `name` of the model folder ('model_index.json', 'vae/config.json', ...): a
+        ModelFolderError naming it and what the folder should hold when it is missing or not JSON."""
+        from diffusion_pipe.model_folder import read_model_json
+
+        return read_model_json(self.model_dir / name, self.model_dir)
 
     # ---- encode side -------------------------------------------------------------------------------
     @property
@@ -115,6 +121,29 @@ class Adapter(ABC):
         template kept in the tokenizer's files included). The default is the one-encoder layout most families
         have: `text_encoder/` and `tokenizer/`."""
         return {"text_encoder": self.model_dir / "text_encoder"}, {"tokenizer": self.model_dir / "tokenizer"}
+
+    def load_tokenizers(self) -> dict[str, object]:
+        """Every tokenizer of `text_component_dirs` by component name, each checked to tell words apart
+        (`common.load_tokenizer`): encode loads them once before anything is encoded or reused, whatever the
+        family, so a folder without its vocabulary files is refused instead of training on one text. A folder of
+        an image processor's settings alone (Wan 2.1 I2V's `image_processor/`) is no tokenizer and is left out."""
+        from diffusion_pipe.models.common import is_image_processor_only, load_tokenizer
+
+        return {name: load_tokenizer(d) for name, d in self.text_component_dirs()[1].items()
+                if not is_image_processor_only(d)}
+
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """How many tokens of a caption (special tokens included) each tokenizer's encoder reads, by tokenizer
+        name; a longer caption is cut there (encode counts such captions). The default is how diffusers' pipelines
+        read them: a CLIP encoder at its tokenizer's `model_max_length` (its positions, 77), whatever
+        `encode.text_max_length` says; any other at `max_length` (`encode.text_max_length`), or its tokenizer's
+        `model_max_length` where that is shorter. A family that reads an encoder otherwise overrides this, and
+        leaves out a tokenizer that never cuts a caption (one that reads only part of it, or refuses a longer one)."""
+        limits = {}
+        for name, tokenizer in tokenizers.items():
+            own = int(getattr(tokenizer, "model_max_length", max_length) or max_length)
+            limits[name] = own if type(tokenizer).__name__.startswith("CLIPTokenizer") else min(max_length, own)
+        return limits
 
     def text_template(self) -> str:
         """The template or system prompt the family's pipeline wraps each caption in before encoding, as a
@@ -166,12 +195,7 @@ class Adapter(ABC):
     def noise_schedule(self) -> dict:
         """The scheduler config (`scheduler/scheduler_config.json`): DDPM objectives take their betas and
         `num_train_timesteps` from it, so training uses the same schedule as inference."""
-        import json
-
-        path = self.model_dir / "scheduler" / "scheduler_config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; model.path must be a diffusers model with a scheduler/")
-        return json.loads(path.read_text())
+        return self.model_json("scheduler/scheduler_config.json")
 
     def timestep_range(self) -> tuple[float, float]:
         """The [lo, hi) fraction of the noise schedule this denoiser trains on; (0, 1) for all of it.
@@ -290,20 +314,28 @@ class Adapter(ABC):
         """The family's pipeline over `denoiser` (as it is being trained), `vae` and the model's own scheduler,
         without text encoders: prompts arrive as stored embeddings (`sample_inputs`), so no text encoder sits
         in memory during training."""
-        import json
-
-        import diffusers
-
         from diffusion_pipe.models.common import bare_pipeline
 
-        scheduler_dir = self.model_dir / "scheduler"
-        scheduler_cls = getattr(diffusers, json.loads((scheduler_dir / "scheduler_config.json").read_text())[
-            "_class_name"])
         pipe = bare_pipeline(self.pipeline_class(), **{self.denoiser_dir().name: denoiser, "vae": vae,
-                                                       "scheduler": scheduler_cls.from_pretrained(scheduler_dir)},
+                                                       "scheduler": self.load_scheduler()},
                              **self.pipeline_config())
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
+
+    def load_scheduler(self, component: str = "scheduler") -> object:
+        """The diffusers scheduler of folder `component` (the class its scheduler_config.json names): a
+        ModelFolderError naming the file when it is missing or names no diffusers scheduler."""
+        import diffusers
+
+        from diffusion_pipe.model_folder import model_folder_error
+
+        config = self.model_json(f"{component}/scheduler_config.json")
+        name = config.get("_class_name", "")
+        scheduler_cls = getattr(diffusers, name, None) if name else None
+        if scheduler_cls is None:
+            raise model_folder_error(self.model_dir / component / "scheduler_config.json",
+                                     f"names no diffusers scheduler class (_class_name: {name!r})", self.model_dir)
+        return scheduler_cls.from_pretrained(self.model_dir / component)
 
     def pipeline_config(self) -> dict:
         """Settings the family's pipeline takes besides its components (Krea 2: the text layers it taps), as the

@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.model_folder import model_folder_error
 from diffusion_pipe.weights import SINGLE_FILE_MARKER
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -265,9 +266,8 @@ def compose_view(skeleton: Path, files: dict[str, Path], root: Path | None = Non
     files = {name: Path(f).resolve() for name, f in files.items()}
     for name, f in files.items():
         if not (skeleton / name / "config.json").is_file():
-            raise FileNotFoundError(f"{skeleton / name}: no config.json to build the single file {f} with; "
-                                    "model.path must be a diffusers model (folder or hub id) of this family "
-                                    "holding at least every component's config")
+            raise model_folder_error(skeleton / name / "config.json", f"missing, and the single file {f} is "
+                                     "built with it (a skeleton needs at least every component's config)", skeleton)
     view = root / hash_json({"skeleton": str(skeleton), "files": {k: str(v) for k, v in files.items()}})[:20]
     if view.is_dir():
         return view

@@ -52,13 +52,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """`cls.from_pretrained(directory)` frozen, in eval mode, in `dtype` on `device`: a clear error if absent.
     A model view's single-file component loads from its file (diffusion_pipe.models.checkpoints)."""
+    from diffusion_pipe.model_folder import model_folder_error, require_file
     from diffusion_pipe.models.checkpoints import load_single_file_component, read_single_file_marker
 
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{directory}: no config.json; model.path must be a diffusers-format model directory "
-            f"(with {directory.name}/ inside) or a hub id"
-        )
+    require_file(directory / "config.json")
     single = read_single_file_marker(directory)
     if single is not None:
         module = load_single_file_component(cls, directory, single, dtype)
@@ -72,7 +69,15 @@ def load_component(cls: type, directory: Path, dtype: torch.dtype, device: torch
         module = model_around(cls, config, state, dtype) or cls.from_pretrained(
             None, config=config, state_dict=state, dtype=dtype, device_map=device)
     else:
-        module = cls.from_pretrained(directory, torch_dtype=dtype)
+        from safetensors import SafetensorError
+
+        try:
+            module = cls.from_pretrained(directory, torch_dtype=dtype)
+        # diffusers and transformers say "no file named ..." (and diffusers a file cut short) as an OSError;
+        # transformers lets safetensors' own error about a file cut short through
+        except (OSError, SafetensorError) as exc:
+            raise model_folder_error(directory, f"{cls.__name__} cannot load from it ({exc})",
+                                     directory.parent) from exc
     module.requires_grad_(False)
     return module.eval().to(device)
 
@@ -86,11 +91,10 @@ def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: t
     kept: another device, a diffusers model, under PINNED_LOAD_MIN_BYTES, a floating-point tensor stored in
     another dtype than `dtype` (converting on the device would hold both copies there at once), or a dtype the
     loader cannot read."""
-    import json
-
     from transformers import PreTrainedModel
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+    from diffusion_pipe.model_folder import read_model_json
     from diffusion_pipe.models.checkpoints import SAFETENSORS_DTYPES
     from diffusion_pipe.models.device_load import read_header
 
@@ -98,7 +102,7 @@ def pinned_load_shards(cls: type, directory: Path, dtype: torch.dtype, device: t
         return []
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+        shards = sorted({directory / name for name in read_model_json(index).get("weight_map", {}).values()})
     else:
         shards = [directory / "model.safetensors"]
     if not all(shard.is_file() for shard in shards) or sum(s.stat().st_size for s in shards) < PINNED_LOAD_MIN_BYTES:
@@ -127,6 +131,52 @@ def model_around(cls: type, config, state: dict[str, torch.Tensor], dtype: torch
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return None
     return model
+
+
+# Words a working tokenizer of any family's vocabulary encodes to different ids. A folder without its vocabulary
+# files (tokenizer.json, vocab.json + merges.txt, spiece.model) still loads: transformers builds a tokenizer of
+# its special tokens alone that maps every word to <unk>, so every caption would encode alike (five of these
+# words have three letters each, which catches a vocabulary whose every character is unknown too).
+TOKENIZER_PROBE = "a red cat sat on a big dog"
+
+
+# Files of which a tokenizer folder holds at least one (its config, or its vocabulary in one of the formats)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "spiece.model", "tokenizer.model")
+
+
+def is_image_processor_only(directory: Path) -> bool:
+    """Whether `directory` holds an image processor's settings (preprocessor_config.json) and no tokenizer file:
+    a text component that is not a tokenizer. A folder with neither is a tokenizer with its files missing."""
+    directory = Path(directory)
+    return ((directory / "preprocessor_config.json").is_file()
+            and not any((directory / name).is_file() for name in TOKENIZER_FILES))
+
+
+def load_tokenizer(directory: Path) -> object:
+    """The tokenizer in `directory` (a tokenizer folder, or a processor folder holding one), through
+    `AutoTokenizer`, checked to tell the words of `TOKENIZER_PROBE` apart: a ModelFolderError naming the folder
+    when it is missing, cannot be loaded, or maps different words to the same ids (its vocabulary files are
+    missing or broken)."""
+    from transformers import AutoTokenizer
+
+    from diffusion_pipe.model_folder import model_folder_error, require_dir
+
+    directory = require_dir(Path(directory))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, TypeError) as exc:  # no tokenizer class, unreadable or missing files
+        raise model_folder_error(directory, f"transformers cannot load a tokenizer from it ({exc})",
+                                 directory.parent) from exc
+    ids: dict[tuple[int, ...], list[str]] = {}
+    for word in dict.fromkeys(TOKENIZER_PROBE.split()):
+        ids.setdefault(tuple(tokenizer(word, add_special_tokens=False)["input_ids"]), []).append(word)
+    if alike := next((words for key, words in ids.items() if len(words) > 1 or not key), None):
+        raise model_folder_error(
+            directory, f"its tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) encodes the words "
+            f"{', '.join(repr(w) for w in alike)} alike, so every caption would train as the same text: its "
+            "vocabulary files (tokenizer.json, or vocab.json and merges.txt, or spiece.model / tokenizer.model) are "
+            "missing or broken", directory.parent)
+    return tokenizer
 
 
 HUB_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*/*"]  # fnmatch: '*' spans folders too
@@ -272,17 +322,19 @@ def vae_latent_stats(model_dir: Path, model_name: str) -> tuple[torch.Tensor, to
     """A VAE's `latents_mean` / `latents_std` buffers, stored with its weights rather than in its config (LTX-Video's
     and LTX-2's), and its config's `scaling_factor`; `model_name` names the model in the error for a folder
     without weights."""
-    import json
-
     from safetensors import safe_open
 
-    path = next(iter(sorted((model_dir / "vae").glob("*.safetensors"))), None)
+    from diffusion_pipe.model_folder import model_folder_error, read_model_json, require_dir
+
+    path = next(iter(sorted(require_dir(model_dir / "vae").glob("*.safetensors"))), None)
     if path is None:
-        raise FileNotFoundError(f"{model_dir / 'vae'}: no .safetensors weights; model.path must be a "
-                                f"diffusers-format {model_name} model")
+        raise model_folder_error(model_dir / "vae", f"no .safetensors weights of the {model_name} VAE", model_dir)
     with safe_open(str(path), framework="pt") as f:
+        if missing := {"latents_mean", "latents_std"} - set(f.keys()):
+            raise model_folder_error(path, f"no {' or '.join(sorted(missing))} tensor: not the {model_name} VAE's "
+                                     "weights", model_dir)
         mean, std = f.get_tensor("latents_mean"), f.get_tensor("latents_std")
-    config = json.loads((model_dir / "vae" / "config.json").read_text())
+    config = read_model_json(model_dir / "vae" / "config.json", model_dir)
     return mean.float(), std.float(), float(config.get("scaling_factor", 1.0))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from diffusion_pipe.model_folder import model_folder_error
 from diffusion_pipe.models.checkpoints import SAFETENSORS_DTYPES
 from diffusion_pipe.store import pack
 
@@ -20,7 +21,7 @@ def read_header(path: Path) -> tuple[int, dict]:
     try:
         header, start = pack.read_header(path)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc} (not a whole safetensors file)") from exc
+        raise model_folder_error(path, f"{exc} (not a whole safetensors file)", Path(path).parent.parent) from exc
     return start, header
 
 
@@ -80,7 +81,8 @@ def _pread_into(pool: ThreadPoolExecutor, readers: int, fd: int, view: memoryvie
         while begin < end:
             got = os.preadv(fd, [view[begin:end]], offset + begin)
             if got == 0:
-                raise OSError(f"{path}: file ends before its safetensors header says (truncated or damaged)")
+                raise model_folder_error(path, "the file ends before its safetensors header says (truncated or "
+                                         "damaged)", Path(path).parent.parent)
             begin += got
 
     list(pool.map(read, range(0, len(view), part)))

@@ -212,6 +212,12 @@ class HiDreamAdapter(Adapter):
         return ({name: self.model_dir / name for name in _TEXT_ENCODERS},
                 {name: self.model_dir / name for name in _TOKENIZERS})
 
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """HiDreamImagePipeline reads its two CLIP encoders (Long-CLIP, 248 positions) at
+        min(max_sequence_length, 218) tokens, T5 and Llama at `max_length` capped by their tokenizers."""
+        limits = super().caption_token_limits(tokenizers, max_length)
+        return limits | {name: min(max_length, 218) for name in ("tokenizer", "tokenizer_2")}
+
     def load_text_encoders(self, device: torch.device) -> PipelineTextEncoder:
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, LlamaForCausalLM, T5EncoderModel
 

@@ -151,6 +151,12 @@ class HunyuanImageAdapter(Adapter):
         return ({"text_encoder": d / "text_encoder", "text_encoder_2": d / "text_encoder_2"},
                 {"tokenizer": d / "tokenizer", "tokenizer_2": d / "tokenizer_2"})
 
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """The Qwen encoder's limit; ByT5 (`tokenizer_2`) reads only the caption's quoted text, at its own
+        length, so the caption itself is never cut there."""
+        limits = super().caption_token_limits(tokenizers, max_length)
+        return {name: n for name, n in limits.items() if name != "tokenizer_2"}
+
     def text_template(self) -> str:
         """The pipeline's template, the template tokens it drops, the hidden layer it reads and the ByT5 length,
         read from diffusers: each changes the embedding."""
@@ -265,8 +271,7 @@ class HunyuanImageAdapter(Adapter):
         pipe = super().sample_pipeline(denoiser, vae)
         for name in ("guider", "ocr_guider"):
             if (self.model_dir / name).is_dir():
-                cls = getattr(diffusers, json.loads((self.model_dir / name / "guider_config.json").read_text())[
-                    "_class_name"])
+                cls = getattr(diffusers, self.model_json(f"{name}/guider_config.json")["_class_name"])
                 pipe.register_modules(**{name: cls.from_pretrained(self.model_dir / name)})
         return pipe
 

@@ -187,6 +187,12 @@ class HunyuanVideo15Adapter(Adapter):
         return ({"text_encoder": d / "text_encoder", "text_encoder_2": d / "text_encoder_2"},
                 {"tokenizer": d / "tokenizer", "tokenizer_2": d / "tokenizer_2"})
 
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """The Qwen encoder's limit; ByT5 (`tokenizer_2`) reads only the caption's quoted text, at its own
+        length, so the caption itself is never cut there."""
+        limits = super().caption_token_limits(tokenizers, max_length)
+        return {name: n for name, n in limits.items() if name != "tokenizer_2"}
+
     def text_template(self) -> str:
         """The pipeline's system message, template crop and hidden layer: each changes the embedding."""
         return json.dumps(_prompt_defaults(), sort_keys=True)

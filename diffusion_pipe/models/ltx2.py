@@ -42,7 +42,6 @@ any LTX2Pipeline.
 from __future__ import annotations
 
 import importlib
-import json
 from functools import cache, cached_property
 from pathlib import Path
 from typing import ClassVar
@@ -256,7 +255,7 @@ class LTX2Adapter(Adapter):
         from diffusers.pipelines.ltx2 import LTX2TextConnectors
         from transformers import AutoTokenizer
 
-        library, class_name = json.loads((self.model_dir / "model_index.json").read_text())["text_encoder"]
+        library, class_name = self.model_json("model_index.json")["text_encoder"]
         encoder_cls = getattr(importlib.import_module(library), class_name)
         return PipelineTextEncoder(bare_pipeline(
             _pipeline_cls(),

@@ -246,6 +246,11 @@ class MiniMaxH3Adapter(Adapter):
         return ({"text_encoder": self.model_dir / "text_encoder"},
                 {"tokenizer": self.model_dir / "tokenizer", "processor": self.model_dir / "processor"})
 
+    def caption_token_limits(self, tokenizers: dict[str, object], max_length: int) -> dict[str, int]:
+        """None: the pipeline never cuts a prompt, and `encode_text` refuses a caption longer than
+        `encode.text_max_length`."""
+        return {}
+
     def text_template(self) -> str:
         """No template: the caption verbatim, without special tokens, read at the pipeline's hidden state."""
         return f"verbatim, no special tokens, hidden_states[{pipeline_fact('text_encoder_layer')}]"
@@ -406,10 +411,7 @@ class MiniMaxH3Adapter(Adapter):
 
     def sample_pipeline(self, denoiser: nn.Module, vae: nn.Module) -> object:
         """The pipeline's blocks over `denoiser` (as it is being trained), `vae` and the model's two schedulers."""
-        from diffusers import MiniMaxH3Scheduler
-
-        pipe = MiniMaxH3VideoPipeline(denoiser, vae, MiniMaxH3Scheduler.from_pretrained(self.model_dir / "scheduler"),
-                                      MiniMaxH3Scheduler.from_pretrained(self.model_dir / "audio_scheduler"))
+        pipe = MiniMaxH3VideoPipeline(denoiser, vae, self.load_scheduler(), self.load_scheduler("audio_scheduler"))
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 

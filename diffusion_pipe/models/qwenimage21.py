@@ -326,7 +326,7 @@ class QwenImage21Adapter(QwenImageAdapter):
 
     def pipeline_config(self) -> dict:
         """The model's own sampling sigmas, when its `model_index.json` sets them."""
-        sigmas = json.loads((self.model_dir / "model_index.json").read_text()).get("sample_sigmas")
+        sigmas = self.model_json("model_index.json").get("sample_sigmas")
         return {} if sigmas is None else {"sample_sigmas": sigmas}
 
     def sample_inputs(self, text: TensorDict, negative: TensorDict | None, guidance: float, cfg_scale: float) -> dict:

@@ -63,7 +63,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         """The pipeline class `model_index.json` names; a ConfigError unless it is an edit pipeline."""
         from diffusion_pipe.config import ConfigError
 
-        name = json.loads((self.model_dir / "model_index.json").read_text()).get("_class_name", "")
+        name = self.model_json("model_index.json").get("_class_name", "")
         if name not in PIPELINES:
             raise ConfigError(f"model.path: {self.model_dir} is a {name or 'unknown'} model; family "
                               f"'{self.name}' trains Qwen-Image-Edit ({' or '.join(PIPELINES)}): set model.family "

@@ -7,7 +7,6 @@ padded to T5's width and joined with T5's states; the two pooled projections con
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,8 +129,7 @@ class SD3Adapter(Adapter):
 
     def text_spec(self, max_length: int) -> Spec:
         """CLIP's fixed 77 tokens followed by T5's `max_length`, at the transformer's joint width."""
-        clip_length = json.loads((self.model_dir / "tokenizer" / "tokenizer_config.json").read_text())[
-            "model_max_length"]
+        clip_length = self.model_json("tokenizer/tokenizer_config.json")["model_max_length"]
         config = self.component_config("transformer")
         dt = dtype_name(self.dtype)
         return {"prompt_embeds": ((clip_length + max_length, config["joint_attention_dim"]), dt),

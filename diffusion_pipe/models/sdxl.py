@@ -9,7 +9,6 @@ this way matches how it is sampled.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,8 +177,7 @@ class SDXLAdapter(Adapter):
                             dtype_name(self.dtype))}
 
     def text_spec(self, max_length: int) -> Spec:
-        d = self.model_dir
-        length = json.loads((d / "tokenizer" / "tokenizer_config.json").read_text())["model_max_length"]
+        length = self.model_json("tokenizer/tokenizer_config.json")["model_max_length"]
         width = self.component_config("text_encoder")["hidden_size"] + self.component_config("text_encoder_2")["hidden_size"]
         dt = dtype_name(self.dtype)
         return {"prompt_embeds": ((length, width), dt),

@@ -9,7 +9,6 @@ weights and a 1-stage and an N-stage run agree.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.model_folder import model_folder_error, read_model_json, require_file
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.train.lora import add_lora, target_module_names
 
@@ -43,10 +43,13 @@ def stage_bounds(num_layers: int, num_stages: int, stage: int) -> tuple[int, int
 def _weight_files(directory: Path) -> list[Path]:
     index = sorted(directory.glob("*.safetensors.index.json"))
     if index:
-        return sorted({directory / f for f in json.loads(index[0].read_text())["weight_map"].values()})
+        # a shard the index names but the folder lacks (a download cut short) is named, not a bare [Errno 2]
+        shards = read_model_json(index[0]).get("weight_map", {}).values()
+        return sorted({require_file(directory / f) for f in shards})
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{directory}: no .safetensors weights; the denoiser must be in safetensors format")
+        raise model_folder_error(directory, "no .safetensors weights (the denoiser must be in safetensors format)",
+                                 directory.parent)
     return files
 
 
@@ -54,7 +57,7 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
     """Materialise the parameters and buffers `names` of `module` from the safetensors files in `directory`,
     or from the single file a model view's component stands for (reading only these tensors)."""
     from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from diffusion_pipe.models.checkpoints import read_single_file_marker, single_file_weights
 
@@ -72,7 +75,12 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
                                     f"tensors); is it a complete {type(module).__name__} of this model's shape?")
         return
     for path in _weight_files(directory):
-        with safe_open(str(path), "pt") as f:
+        try:
+            f = safe_open(str(path), "pt")
+        except SafetensorError as exc:
+            raise model_folder_error(path, f"not a whole safetensors file ({exc}); a download cut short?",
+                                     directory.parent) from None
+        with f:
             for key in f.keys():
                 if key in missing:
                     tensor = f.get_tensor(key)
@@ -81,8 +89,8 @@ def load_weights(module: nn.Module, names: set[str], directory: Path, dtype: tor
                                                 dtype=dtype if tensor.is_floating_point() else None)
                     missing.discard(key)
     if missing:
-        raise FileNotFoundError(f"{directory}: weights missing for {sorted(missing)[:5]} "
-                                f"({len(missing)} tensors); is model.path a complete diffusers model?")
+        raise model_folder_error(directory, f"weights missing for {sorted(missing)[:5]} ({len(missing)} tensors)",
+                                 directory.parent)
 
 
 def seed_lora_dropout(seed: int, dp_rank: int) -> None:
@@ -117,6 +125,7 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
     from accelerate import init_empty_weights
 
     cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
+    require_file(directory / "config.json", adapter.model_dir)
     with init_empty_weights(include_buffers=False):
         denoiser = cls.from_config(cls.load_config(directory))
     denoiser.requires_grad_(False)

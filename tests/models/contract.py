@@ -19,6 +19,7 @@ from torch import nn
 
 from diffusion_pipe.models import REGISTRY, adapter_class
 from diffusion_pipe.models.base import Adapter, TensorDict
+from diffusion_pipe.models.common import is_image_processor_only
 from diffusion_pipe.train.data import noise_latents
 from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
 from diffusion_pipe.train.pipeline import ensure_grad
@@ -166,6 +167,12 @@ class AdapterContract:
         encoders, tokenizers = adapter.text_component_dirs()
         assert encoders and tokenizers
         assert all(d.is_dir() and any(d.iterdir()) for d in (*encoders.values(), *tokenizers.values()))
+        # Each loads and tells the words of the probe apart (what encode checks before anything is encoded), and
+        # its encoder reads a caption up to a limit encode can count truncated captions against.
+        loaded = adapter.load_tokenizers()
+        assert loaded and set(loaded) == {name for name, d in tokenizers.items() if not is_image_processor_only(d)}
+        limits = adapter.caption_token_limits(loaded, self.text_max_length)
+        assert set(limits) <= set(loaded) and all(isinstance(n, int) and n > 0 for n in limits.values())
 
     def encode_texts(self, adapter, encoders, captions: list[str], image_seed: int = 0) -> list[TensorDict]:
         """Text entries of `captions`; a family whose text encoder reads the sample's conditioning image reads
