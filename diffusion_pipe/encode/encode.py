@@ -34,10 +34,9 @@ from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, SamplePrompt, ScanParams
-from diffusion_pipe.redact import redact
 from diffusion_pipe.sample.render import SampleText, prompt_texts
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
-from diffusion_pipe.store.remote import resolve_remote
+from diffusion_pipe.store.remote import RemoteError, lacking_packs, resolve_remote, secret_warning
 from diffusion_pipe.weights import component_hash, tokenizer_hash
 
 ENCODED_SCHEMA = pa.schema([
@@ -481,6 +480,7 @@ class FamilyCounts:
     computed: int = 0
     by_other_workers: int = 0
     uploaded_packs: int = 0
+    remote_lacks_packs: int = 0  # packs holding this run's entries that the remote still lacks (encode.push false)
     quarantined_packs: int = 0  # reused packs that failed their check: moved aside, their entries recomputed
     seconds: float = 0.0  # the family's whole share of the run: lookups, transfers, model load, encoding
     encode_seconds: float = 0.0  # encoding and writing only: what `per_second` divides by
@@ -489,7 +489,8 @@ class FamilyCounts:
         return {
             "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
             "computed": self.computed, "by_other_workers": self.by_other_workers,
-            "uploaded_packs": self.uploaded_packs, "quarantined_packs": self.quarantined_packs,
+            "uploaded_packs": self.uploaded_packs, "remote_lacks_packs": self.remote_lacks_packs,
+            "quarantined_packs": self.quarantined_packs,
             "seconds": round(self.seconds, 3),
             "encode_seconds": round(self.encode_seconds, 3),
             "per_second": (round(self.computed / self.encode_seconds, 2)
@@ -498,17 +499,32 @@ class FamilyCounts:
 
 
 def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
-    """Run one transfer with the remote; a connection or permission failure becomes a StoreError with the fix."""
+    """Run one transfer with the remote; a connection, credential or timeout failure becomes a StoreError naming
+    encode.remote and the fix."""
     try:
-        return fn()
-    except StoreError:
-        raise
-    except Exception as exc:  # each filesystem (ssh, s3, ...) raises its own exception types
-        raise StoreError(
-            f"encode.remote: cannot {what} the store remote {remote.url} ({type(exc).__name__}: {redact(str(exc))}); "
-            "fix the remote (URL, credentials in .dvc/config.local or the environment, network), or set "
-            "encode.remote to '' to encode with the local store only"
-        ) from None  # the chained traceback would print the unredacted message
+        with remote.answering(what):
+            return fn()
+    except RemoteError as exc:
+        raise StoreError(f"encode.remote: {exc}; or set encode.remote to '' to encode with the local store only"
+                         ) from None  # the chained traceback would print the unredacted message
+
+
+def _sync_remote(store: Store, remote: Remote, keys: dict[str, list[str]], counts: dict[str, FamilyCounts],
+                 push: bool) -> None:
+    """Make the remote hold every entry of `keys` (family -> keys, all in the store): upload the local packs
+    holding those it lacks, whether computed by this run or an earlier one whose upload failed (the remote was
+    down), at the cost of one listing per family. With `push` false, count them and say how to send them."""
+    for fam, fam_keys in keys.items():
+        if push:
+            counts[fam].uploaded_packs = _remote_call(
+                remote, "upload to", lambda fam=fam, fam_keys=fam_keys: store.push(remote, fam, keys=fam_keys))
+            continue
+        lacking = _remote_call(remote, "list", lambda fam=fam, fam_keys=fam_keys: len(
+            lacking_packs(store, remote, fam, fam_keys)))
+        counts[fam].remote_lacks_packs = lacking
+        if lacking:
+            print(f"encode: the store remote {remote.url} lacks {lacking} {fam} packs of this run's entries "
+                  "(encode.push is false); `diffusion-pipe store push --all` sends them", file=sys.stderr)
 
 
 def _check_reused(store: Store, wanted: dict[str, list[str]], counts: dict[str, FamilyCounts],
@@ -553,6 +569,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
     device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
+    warning = secret_warning(encode.remote)
+    if warning:
+        print(f"encode: warning: {warning}", file=sys.stderr)
 
     sources = latent_sources(samples, roots, control_roots)
     captions = text_sources(samples, roots, control_roots, reads_image)
@@ -599,10 +618,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
         counts["latent"].seconds += t1 - t0
         counts["text"].seconds += t2 - t1
 
-        if remote is not None and encode.push:
-            for fam, ids in packs.items():
-                counts[fam].uploaded_packs = _remote_call(
-                    remote, "upload to", lambda fam=fam, ids=ids: store.push(remote, fam, packs=ids))
+        if remote is not None:  # this worker's share of every wanted key, computed now or in an earlier run
+            _sync_remote(store, remote, {fam: workers.share(keys) for fam, keys in wanted.items()}, counts,
+                         encode.push)
 
         summary = "; ".join(
             f"{fam} computed {c.computed}, reused {c.reused_local}, fetched {c.fetched_remote}"
