@@ -76,15 +76,15 @@ def _ssh_without_prompts(base: type, timeout_s: float) -> type:
     dvc-ssh's client asks for a password on stdin when the configured one is refused (or none is given), and for
     key passphrases: under a scheduler with stdin open that waits forever. asyncssh's plain client never asks:
     authentication with what is configured (password, key file, agent, default keys) succeeds or fails.
-    Keepalives every timeout_s / 3, three unanswered, close a connection whose peer froze after answering.
+    Keepalives every timeout_s / 3, three unanswered, close a connection whose peer froze after answering; the
+    connection and login are bounded by dvc-ssh's own `timeout` option, which Remote sets.
     """
     import asyncssh
 
     class SSHWithoutPrompts(base):  # type: ignore[misc, valid-type]
         def _prepare_credentials(self, **config: Any) -> dict[str, Any]:
             args = super()._prepare_credentials(**config)
-            args.update(client_factory=asyncssh.SSHClient, connect_timeout=timeout_s, login_timeout=timeout_s,
-                        keepalive_interval=timeout_s / 3, keepalive_count_max=2)
+            args.update(client_factory=asyncssh.SSHClient, keepalive_interval=timeout_s / 3, keepalive_count_max=2)
             return args
 
     return SSHWithoutPrompts

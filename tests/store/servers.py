@@ -14,19 +14,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.store import sftp_server
+from tests.store import sftp_server as server_script
+
+
+@dataclass(frozen=True)
+class SftpServer:
+    """A running SFTP server: its port, and its process id (tests freeze it with SIGSTOP)."""
+
+    port: int
+    pid: int
 
 
 @pytest.fixture
-def sftp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+def sftp_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SftpServer]:
     pytest.importorskip("dvc_ssh", reason="dvc-ssh is not installed")
     served = tmp_path / "sftp-root"
     served.mkdir()
-    proc = subprocess.Popen([sys.executable, sftp_server.__file__, str(served)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, server_script.__file__, str(served)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline().split()[1])
@@ -36,10 +45,16 @@ def sftp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         (home / ".ssh").mkdir(parents=True)
         (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{port} {hostkey}\n")
         monkeypatch.setenv("HOME", str(home))
-        yield port
+        yield SftpServer(port, proc.pid)
     finally:
-        proc.kill()
+        proc.kill()  # SIGKILL ends a SIGSTOPped server too
         proc.wait()
+
+
+@pytest.fixture
+def sftp(sftp_server: SftpServer) -> int:
+    """The port of a running SFTP server (user 'u', password 'pw')."""
+    return sftp_server.port
 
 
 def _free_ports(n: int) -> list[int]:
