@@ -36,6 +36,7 @@ from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, SamplePrompt, ScanParams
 from diffusion_pipe.sample.render import SampleText, prompt_texts
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
+from diffusion_pipe.store.claims import share_work, wait_for_claimed
 from diffusion_pipe.store.remote import RemoteError, lacking_packs, resolve_remote, secret_warning
 from diffusion_pipe.weights import component_hash, tokenizer_hash
 
@@ -479,6 +480,7 @@ class FamilyCounts:
     fetched_remote: int = 0
     computed: int = 0
     by_other_workers: int = 0
+    by_other_encoders: int = 0  # computed meanwhile by another encode into the same store, which claimed them first
     uploaded_packs: int = 0
     remote_lacks_packs: int = 0  # packs holding this run's entries that the remote still lacks (encode.push false)
     quarantined_packs: int = 0  # reused packs that failed their check: moved aside, their entries recomputed
@@ -489,6 +491,7 @@ class FamilyCounts:
         return {
             "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
             "computed": self.computed, "by_other_workers": self.by_other_workers,
+            "by_other_encoders": self.by_other_encoders,
             "uploaded_packs": self.uploaded_packs, "remote_lacks_packs": self.remote_lacks_packs,
             "quarantined_packs": self.quarantined_packs,
             "seconds": round(self.seconds, 3),
@@ -586,7 +589,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     todo: dict[str, list[str]] = {}
     # The lease lasts until the table naming the entries is published: gc keeps nothing it does not see named
     # by a table or written under a live lease.
-    with store.lease("encode"):
+    with store.lease("encode") as lease:
         if workers.rank == 0:
             _check_reused(store, wanted, counts, several_workers=workers.world > 1)
         for fam, keys in wanted.items():
@@ -603,20 +606,34 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
             todo[fam] = store.missing(fam, mine)
             counts[fam].seconds += time.perf_counter() - t0
 
-        packs: dict[str, list[str]] = {}
-        t0 = time.perf_counter()
-        if todo["latent"]:
-            c = counts["latent"]
-            c.computed, packs["latent"], c.encode_seconds = _encode_latents(
-                adapter, [sources[k] for k in todo["latent"]], store, encode, device)
-        t1 = time.perf_counter()
-        if todo["text"]:
-            c = counts["text"]
-            c.computed, packs["text"], c.encode_seconds = _encode_texts(
-                adapter, {k: captions[k] for k in todo["text"]}, store, encode, device)
-        t2 = time.perf_counter()
-        counts["latent"].seconds += t1 - t0
-        counts["text"].seconds += t2 - t1
+        def compute(todo: dict[str, list[str]]) -> None:
+            t0 = time.perf_counter()
+            if todo["latent"]:
+                c = counts["latent"]
+                computed, _, seconds = _encode_latents(
+                    adapter, [sources[k] for k in todo["latent"]], store, encode, device)
+                c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
+            t1 = time.perf_counter()
+            if todo["text"]:
+                c = counts["text"]
+                computed, _, seconds = _encode_texts(
+                    adapter, {k: captions[k] for k in todo["text"]}, store, encode, device)
+                c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
+            t2 = time.perf_counter()
+            counts["latent"].seconds += t1 - t0
+            counts["text"].seconds += t2 - t1
+
+        # Another encode into this store (another clone, another run) may be computing some of these keys: wait
+        # for those instead of computing them twice, and compute them here only if it stops without them.
+        deferred = share_work(store, lease, todo)
+        compute({fam: [k for k in keys if k not in deferred[fam]] for fam, keys in todo.items()})
+        if any(deferred.values()):
+            print(f"encode: waiting for {sum(map(len, deferred.values()))} entries another encode into "
+                  f"{store.root} is computing", file=sys.stderr)
+            left = wait_for_claimed(store, deferred, encode.worker_stall_timeout_s)
+            for fam, c in counts.items():
+                c.by_other_encoders = len(deferred[fam]) - len(left[fam])
+            compute(left)
 
         if remote is not None:  # this worker's share of every wanted key, computed now or in an earlier run
             _sync_remote(store, remote, {fam: workers.share(keys) for fam, keys in wanted.items()}, counts,
