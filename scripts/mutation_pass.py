@@ -773,6 +773,23 @@ MUTATIONS: list[Mutation] = [
              "    if False:\n        print(f\"encode: warning:",
              ("tests/store/test_redaction.py::test_encode_report_and_lineage_carry_no_password",),
              "a password in encode.remote, which DVC copies into dvc.lock and its run-cache, goes unmentioned"),
+    Mutation("encode-claims-ignored", ENCODE, "deferred = share_work(store, lease, todo)",
+             "deferred = {fam: {} for fam in todo}",
+             ("tests/encode/test_claims.py", "tests/encode/test_processes.py::test_two_encoders_on_one_store_at_once"),
+             "two encodes into one store compute every entry twice"),
+    Mutation("claims-both-yield", "diffusion_pipe/store/claims.py",
+             'if (float(lease["claimed_at"]), lease["file"]) > mine:', "if False:",
+             ("tests/store/test_claims.py::test_a_later_claim_waits_for_the_earlier_claimant_instead_of_computing",),
+             "an earlier claim yields to a later one too, so two encoders wait on each other until the stall bound"),
+    Mutation("claims-dead-claimant-waited-for", "diffusion_pipe/store/claims.py",
+             "elif keys[key] not in live:", "elif False:",
+             ("tests/store/test_claims.py::test_keys_a_claimant_stopped_without_are_computed_here_at_once",),
+             "keys of a writer that stopped without them are waited for until the stall bound"),
+    Mutation("claims-wait-unbounded", "diffusion_pipe/store/claims.py",
+             "if count == 0 or now - last_progress > stall_s:", "if count == 0:",
+             ("tests/store/test_claims.py::test_a_live_claimant_that_publishes_nothing_is_waited_for_only_until_the_"
+              "stall_bound",),
+             "a live writer that publishes nothing is waited for forever"),
 ]
 
 
