@@ -790,6 +790,10 @@ MUTATIONS: list[Mutation] = [
              ("tests/store/test_claims.py::test_a_live_claimant_that_publishes_nothing_is_waited_for_only_until_the_"
               "stall_bound",),
              "a live writer that publishes nothing is waited for forever"),
+    Mutation("remote-committed-secret-unwarned", "diffusion_pipe/store/remote.py",
+             "held = [o for o in _SECRET_OPTIONS if options.get(o)]", "held = []",
+             ("tests/store/test_remote.py::test_a_secret_committed_in_the_dvc_config_is_warned_about",),
+             "a password in the git-tracked .dvc/config goes unmentioned"),
 ]
 
 

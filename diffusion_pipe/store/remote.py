@@ -160,6 +160,9 @@ class Remote:
                 "`dvc remote add -d NAME URL`, or pass the store remote's URL"
             )
         options = dict(config["remote"][name])
+        warning = committed_secret_warning(config.load_one("repo").get("remote", {}).get(name, {}), name)
+        if warning:
+            log.warning(warning)
         url = options.pop("url").rstrip("/") + "/" + subdir
         return cls(url, **options)
 
@@ -382,6 +385,26 @@ def resolve_remote(spec: str, repo_root: str | Path = ".", param: str = "encode.
     if "://" not in spec and not Path(spec).is_absolute():
         spec = str(root / spec)
     return Remote(spec)
+
+
+# DVC remote options that hold a secret: kept in .dvc/config.local (git-ignored), never in .dvc/config.
+_SECRET_OPTIONS = ("password", "passphrase", "secret_access_key", "session_token", "sse_customer_key",
+                   "account_key", "sas_token", "client_secret")
+
+
+def committed_secret_warning(options: dict[str, Any], name: str) -> str | None:
+    """A warning when the options of DVC remote `name` in the repo's .dvc/config (which git tracks, unlike
+    .dvc/config.local) hold a secret: a secret option, or a password in the URL; else None."""
+    held = [o for o in _SECRET_OPTIONS if options.get(o)]
+    if redact(str(options.get("url", ""))) != str(options.get("url", "")):
+        held.insert(0, "a password in its url")
+    if not held:
+        return None
+    return (
+        f"DVC remote {name!r} has {held[0]} in .dvc/config, which git tracks: move it to the git-ignored "
+        f".dvc/config.local with `dvc remote modify --local {name} OPTION VALUE` (and `dvc remote modify {name} "
+        "--unset OPTION`), or for S3 use the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY environment variables"
+    )
 
 
 def secret_warning(spec: str, param: str = "encode.remote") -> str | None:
