@@ -794,6 +794,14 @@ MUTATIONS: list[Mutation] = [
              "held = [o for o in _SECRET_OPTIONS if options.get(o)]", "held = []",
              ("tests/store/test_remote.py::test_a_secret_committed_in_the_dvc_config_is_warned_about",),
              "a password in the git-tracked .dvc/config goes unmentioned"),
+    Mutation("remote-s3-retry-storm", "diffusion_pipe/store/remote.py",
+             "            cls = _s3_without_retry_storms(cls)\n", "",
+             ("tests/store/test_remote_servers.py::test_a_frozen_s3_server_fails_the_transfer_within_a_few_timeouts",),
+             "botocore's retries inside s3fs's make a frozen S3 endpoint take some 40 timeouts to fail"),
+    Mutation("remote-s3-read-timeout-default", "diffusion_pipe/store/remote.py",
+             '            fs_config.setdefault("read_timeout", timeout_s)\n', "",
+             ("tests/store/test_remote_servers.py::test_a_frozen_s3_server_fails_the_transfer_within_a_few_timeouts",),
+             "an S3 read waits botocore's 60 s default, whatever the remote's timeout"),
 ]
 
 

@@ -1,7 +1,9 @@
 """The encode stage: manifest rows -> latents and text embeddings in the store -> `data/encoded.parquet`.
 
-Only entries whose keys are in neither the local store nor its remote are computed, and what is computed is
-uploaded to the remote. Media is decoded and resized in DataLoader workers (uint8, a quarter of the bytes of
+Only entries whose keys are in neither the local store nor its remote are computed, and the remote is then made
+to hold every pack the run's entries need (what this run computed, and what an earlier run failed to upload).
+Another encode into the same store that claimed some keys first is waited for instead of computed after
+(`diffusion_pipe.store.claims`). Media is decoded and resized in DataLoader workers (uint8, a quarter of the bytes of
 float pixels) while the encoder runs; finished entries go to the pack writer on a background thread, so pack
 writing overlaps the next batch. Several workers (GPUs, machines) split the missing keys: see `workers.py`. The encoded table holds
 input-derived fields only (sample id, keys, bucket, split, repeats), so it is byte-identical across machines
@@ -550,8 +552,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
                     encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
                     workers: WorkerLayout | None = None, sample_prompts: tuple[SamplePrompt, ...] = (),
                     caption_dropout: float = 0.0) -> dict:
-    """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
-    upload what was computed; write the encoded table and the report (rank 0). Returns the report.
+    """Encode every latent and text entry of the manifest that neither the local store nor its remote holds (nor
+    another running encode into the store has claimed); upload every pack of those entries the remote lacks; write
+    the encoded table and the report (rank 0). Returns the report.
 
     The remote is `encode.remote` resolved against `repo_root` (by default the repo's DVC remote, if any).
     Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
@@ -606,18 +609,18 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
             todo[fam] = store.missing(fam, mine)
             counts[fam].seconds += time.perf_counter() - t0
 
-        def compute(todo: dict[str, list[str]]) -> None:
+        def compute(work: dict[str, list[str]]) -> None:  # once, and again for what another encode left undone
             t0 = time.perf_counter()
-            if todo["latent"]:
+            if work["latent"]:
                 c = counts["latent"]
                 computed, _, seconds = _encode_latents(
-                    adapter, [sources[k] for k in todo["latent"]], store, encode, device)
+                    adapter, [sources[k] for k in work["latent"]], store, encode, device)
                 c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
             t1 = time.perf_counter()
-            if todo["text"]:
+            if work["text"]:
                 c = counts["text"]
                 computed, _, seconds = _encode_texts(
-                    adapter, {k: captions[k] for k in todo["text"]}, store, encode, device)
+                    adapter, {k: captions[k] for k in work["text"]}, store, encode, device)
                 c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
             t2 = time.perf_counter()
             counts["latent"].seconds += t1 - t0

@@ -148,10 +148,10 @@ def gc(root: Path | None, repo: Path, grace: str, dry_run: bool, allow_unresolve
                    f"{report.unkept_entries_in_mixed_packs} unreferenced entries")
 
 
-def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_packs: bool | None
+def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_packs: bool, has_all: bool = True
                      ) -> tuple[Any, Any]:
-    """The resolved remote and the (family, key) pairs of the encoded table (None with `all_packs`; None for a
-    command without --all); a problem is a one-line error and exit status 2."""
+    """The resolved remote and the (family, key) pairs of the encoded table (None with `all_packs`); a problem is
+    a one-line error and exit status 2 (`has_all`: the command has an --all flag to suggest)."""
     from diffusion_pipe.store import StoreError
     from diffusion_pipe.store.reachable import ENCODED, table_keys
     from diffusion_pipe.store.remote import resolve_remote
@@ -168,7 +168,7 @@ def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_p
         return resolved, None
     table = encoded or (repo / ENCODED)
     how = "run the encode stage (`dvc repro encode`) or `dvc pull` it first, or pass --encoded PATH" + (
-        "" if all_packs is None else " or --all")
+        " or --all" if has_all else "")
     if not table.is_file():
         _fail(f"encoded table {table} not found: {how}")
     try:
@@ -209,7 +209,7 @@ def pull(root: Path | None, repo: Path, remote: str | None, encoded: Path | None
     from diffusion_pipe.store import StoreError
 
     store = _store(root)
-    target, keys = _remote_and_keys(repo, remote, encoded, None)
+    target, keys = _remote_and_keys(repo, remote, encoded, False, has_all=False)
     missing = 0
     try:
         for fam in ("latent", "text"):

