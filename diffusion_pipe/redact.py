@@ -11,8 +11,10 @@ import re
 from typing import Any
 
 MASK = "***"
-# scheme://user:password@ : the password part (anything up to the last '@' before the path).
-_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:]*:)(?P<secret>[^\s/]*)(?=@)")
+# scheme://user:password@host : the password is whatever stands between "user:" and the last '@' of the URL, so
+# one holding '/', ':', '?' or '@' (S3 secret keys often hold '/') is masked whole. A '@' later in the path makes
+# this mask more than the password (a host and part of the path), never less.
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:]*:)(?P<secret>\S*)(?=@)")
 # ?name=value or &name=value where the name says it is a secret.
 _QUERY = re.compile(
     r"(?P<head>[?&](?:[A-Za-z0-9_\-]*(?:password|passwd|secret|token|key|signature|credential|sig|auth)"

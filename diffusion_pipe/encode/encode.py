@@ -1,7 +1,9 @@
 """The encode stage: manifest rows -> latents and text embeddings in the store -> `data/encoded.parquet`.
 
-Only entries whose keys are in neither the local store nor its remote are computed, and what is computed is
-uploaded to the remote. Media is decoded and resized in DataLoader workers (uint8, a quarter of the bytes of
+Only entries whose keys are in neither the local store nor its remote are computed, and the remote is then made
+to hold every pack the run's entries need (what this run computed, and what an earlier run failed to upload).
+Another encode into the same store that claimed some keys first is waited for instead of computed after
+(`diffusion_pipe.store.claims`). Media is decoded and resized in DataLoader workers (uint8, a quarter of the bytes of
 float pixels) while the encoder runs; finished entries go to the pack writer on a background thread, so pack
 writing overlaps the next batch. Several workers (GPUs, machines) split the missing keys: see `workers.py`. The encoded table holds
 input-derived fields only (sample id, keys, bucket, split, repeats), so it is byte-identical across machines
@@ -34,10 +36,10 @@ from diffusion_pipe.models import load_adapter
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import resolve_device
 from diffusion_pipe.params import EncodeParams, ModelParams, SamplePrompt, ScanParams
-from diffusion_pipe.redact import redact
 from diffusion_pipe.sample.render import SampleText, prompt_texts
 from diffusion_pipe.store import PackWriter, Remote, Store, StoreError
-from diffusion_pipe.store.remote import resolve_remote
+from diffusion_pipe.store.claims import share_work, wait_for_claimed
+from diffusion_pipe.store.remote import RemoteError, lacking_packs, resolve_remote, secret_warning
 from diffusion_pipe.weights import component_hash, tokenizer_hash
 
 ENCODED_SCHEMA = pa.schema([
@@ -523,7 +525,9 @@ class FamilyCounts:
     fetched_remote: int = 0
     computed: int = 0
     by_other_workers: int = 0
+    by_other_encoders: int = 0  # computed meanwhile by another encode into the same store, which claimed them first
     uploaded_packs: int = 0
+    remote_lacks_packs: int = 0  # packs holding this run's entries that the remote still lacks (encode.push false)
     quarantined_packs: int = 0  # reused packs that failed their check: moved aside, their entries recomputed
     seconds: float = 0.0  # the family's whole share of the run: lookups, transfers, model load, encoding
     encode_seconds: float = 0.0  # encoding and writing only: what `per_second` divides by
@@ -532,7 +536,9 @@ class FamilyCounts:
         return {
             "entries": self.entries, "reused_local": self.reused_local, "fetched_remote": self.fetched_remote,
             "computed": self.computed, "by_other_workers": self.by_other_workers,
-            "uploaded_packs": self.uploaded_packs, "quarantined_packs": self.quarantined_packs,
+            "by_other_encoders": self.by_other_encoders,
+            "uploaded_packs": self.uploaded_packs, "remote_lacks_packs": self.remote_lacks_packs,
+            "quarantined_packs": self.quarantined_packs,
             "seconds": round(self.seconds, 3),
             "encode_seconds": round(self.encode_seconds, 3),
             "per_second": (round(self.computed / self.encode_seconds, 2)
@@ -541,17 +547,32 @@ class FamilyCounts:
 
 
 def _remote_call(remote: Remote, what: str, fn: Callable[[], int]) -> int:
-    """Run one transfer with the remote; a connection or permission failure becomes a StoreError with the fix."""
+    """Run one transfer with the remote; a connection, credential or timeout failure becomes a StoreError naming
+    encode.remote and the fix."""
     try:
-        return fn()
-    except StoreError:
-        raise
-    except Exception as exc:  # each filesystem (ssh, s3, ...) raises its own exception types
-        raise StoreError(
-            f"encode.remote: cannot {what} the store remote {remote.url} ({type(exc).__name__}: {redact(str(exc))}); "
-            "fix the remote (URL, credentials in .dvc/config.local or the environment, network), or set "
-            "encode.remote to '' to encode with the local store only"
-        ) from None  # the chained traceback would print the unredacted message
+        with remote.answering(what):
+            return fn()
+    except RemoteError as exc:
+        raise StoreError(f"encode.remote: {exc}; or set encode.remote to '' to encode with the local store only"
+                         ) from None  # the chained traceback would print the unredacted message
+
+
+def _sync_remote(store: Store, remote: Remote, keys: dict[str, list[str]], counts: dict[str, FamilyCounts],
+                 push: bool) -> None:
+    """Make the remote hold every entry of `keys` (family -> keys, all in the store): upload the local packs
+    holding those it lacks, whether computed by this run or an earlier one whose upload failed (the remote was
+    down), at the cost of one listing per family. With `push` false, count them and say how to send them."""
+    for fam, fam_keys in keys.items():
+        if push:
+            counts[fam].uploaded_packs = _remote_call(
+                remote, "upload to", lambda fam=fam, fam_keys=fam_keys: store.push(remote, fam, keys=fam_keys))
+            continue
+        lacking = _remote_call(remote, "list", lambda fam=fam, fam_keys=fam_keys: len(
+            lacking_packs(store, remote, fam, fam_keys)))
+        counts[fam].remote_lacks_packs = lacking
+        if lacking:
+            print(f"encode: the store remote {remote.url} lacks {lacking} {fam} packs of this run's entries "
+                  "(encode.push is false); `diffusion-pipe store push --all` sends them", file=sys.stderr)
 
 
 def _check_reused(store: Store, wanted: dict[str, list[str]], counts: dict[str, FamilyCounts],
@@ -574,8 +595,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
                     encoded_path: Path, report_path: Path, store: Store, *, repo_root: Path = Path("."),
                     workers: WorkerLayout | None = None, sample_prompts: tuple[SamplePrompt, ...] = (),
                     caption_dropout: float = 0.0) -> dict:
-    """Encode every latent and text entry of the manifest that neither the local store nor its remote holds;
-    upload what was computed; write the encoded table and the report (rank 0). Returns the report.
+    """Encode every latent and text entry of the manifest that neither the local store nor its remote holds (nor
+    another running encode into the store has claimed); upload every pack of those entries the remote lacks; write
+    the encoded table and the report (rank 0). Returns the report.
 
     The remote is `encode.remote` resolved against `repo_root` (by default the repo's DVC remote, if any).
     Under a launcher (`workers`, default from RANK/WORLD_SIZE), each worker handles its share of the missing
@@ -596,6 +618,9 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     control_roots = {d.manifest_name: Path(d.control) for d in scan.datasets if d.control}
     device = resolve_device(encode.device, "encode.device", workers.local_rank)
     remote = resolve_remote(encode.remote, repo_root)
+    warning = secret_warning(encode.remote)
+    if warning:
+        print(f"encode: warning: {warning}", file=sys.stderr)
     # Checked before anything is encoded or reused: entries a broken tokenizer made would be reused as well.
     tokenizers = adapter.load_tokenizers()
 
@@ -612,7 +637,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
     todo: dict[str, list[str]] = {}
     # The lease lasts until the table naming the entries is published: gc keeps nothing it does not see named
     # by a table or written under a live lease.
-    with store.lease("encode"):
+    with store.lease("encode") as lease:
         if workers.rank == 0:
             _check_reused(store, wanted, counts, several_workers=workers.world > 1)
         for fam, keys in wanted.items():
@@ -629,25 +654,38 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
             todo[fam] = store.missing(fam, mine)
             counts[fam].seconds += time.perf_counter() - t0
 
-        packs: dict[str, list[str]] = {}
-        t0 = time.perf_counter()
-        if todo["latent"]:
-            c = counts["latent"]
-            c.computed, packs["latent"], c.encode_seconds = _encode_latents(
-                adapter, [sources[k] for k in todo["latent"]], store, encode, device)
-        t1 = time.perf_counter()
-        if todo["text"]:
-            c = counts["text"]
-            c.computed, packs["text"], c.encode_seconds = _encode_texts(
-                adapter, {k: captions[k] for k in todo["text"]}, store, encode, device)
-        t2 = time.perf_counter()
-        counts["latent"].seconds += t1 - t0
-        counts["text"].seconds += t2 - t1
+        def compute(work: dict[str, list[str]]) -> None:  # once, and again for what another encode left undone
+            t0 = time.perf_counter()
+            if work["latent"]:
+                c = counts["latent"]
+                computed, _, seconds = _encode_latents(
+                    adapter, [sources[k] for k in work["latent"]], store, encode, device)
+                c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
+            t1 = time.perf_counter()
+            if work["text"]:
+                c = counts["text"]
+                computed, _, seconds = _encode_texts(
+                    adapter, {k: captions[k] for k in work["text"]}, store, encode, device)
+                c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
+            t2 = time.perf_counter()
+            counts["latent"].seconds += t1 - t0
+            counts["text"].seconds += t2 - t1
 
-        if remote is not None and encode.push:
-            for fam, ids in packs.items():
-                counts[fam].uploaded_packs = _remote_call(
-                    remote, "upload to", lambda fam=fam, ids=ids: store.push(remote, fam, packs=ids))
+        # Another encode into this store (another clone, another run) may be computing some of these keys: wait
+        # for those instead of computing them twice, and compute them here only if it stops without them.
+        deferred = share_work(store, lease, todo)
+        compute({fam: [k for k in keys if k not in deferred[fam]] for fam, keys in todo.items()})
+        if any(deferred.values()):
+            print(f"encode: waiting for {sum(map(len, deferred.values()))} entries another encode into "
+                  f"{store.root} is computing", file=sys.stderr)
+            left = wait_for_claimed(store, deferred, encode.worker_stall_timeout_s)
+            for fam, c in counts.items():
+                c.by_other_encoders = len(deferred[fam]) - len(left[fam])
+            compute(left)
+
+        if remote is not None:  # this worker's share of every wanted key, computed now or in an earlier run
+            _sync_remote(store, remote, {fam: workers.share(keys) for fam, keys in wanted.items()}, counts,
+                         encode.push)
 
         summary = "; ".join(
             f"{fam} computed {c.computed}, reused {c.reused_local}, fetched {c.fetched_remote}"

@@ -148,21 +148,34 @@ def gc(root: Path | None, repo: Path, grace: str, dry_run: bool, allow_unresolve
                    f"{report.unkept_entries_in_mixed_packs} unreferenced entries")
 
 
-def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_packs: bool) -> tuple[Any, Any]:
+def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_packs: bool, has_all: bool = True
+                     ) -> tuple[Any, Any]:
+    """The resolved remote and the (family, key) pairs of the encoded table (None with `all_packs`); a problem is
+    a one-line error and exit status 2 (`has_all`: the command has an --all flag to suggest)."""
+    from diffusion_pipe.store import StoreError
     from diffusion_pipe.store.reachable import ENCODED, table_keys
     from diffusion_pipe.store.remote import resolve_remote
 
     spec = remote if remote is not None else "dvc"
-    resolved = resolve_remote(spec, repo, param="--remote")
+    try:
+        resolved = resolve_remote(spec, repo, param="--remote")
+    except StoreError as exc:
+        _fail(str(exc))
     if resolved is None:
         _fail(f"no store remote: {repo}/.dvc/config has no default DVC remote; pass --remote URL "
               "(a path, ssh://host/path, s3://bucket/prefix) or add one with `dvc remote add -d NAME URL`")
     if all_packs:
         return resolved, None
     table = encoded or (repo / ENCODED)
+    how = "run the encode stage (`dvc repro encode`) or `dvc pull` it first, or pass --encoded PATH" + (
+        " or --all" if has_all else "")
     if not table.is_file():
-        _fail(f"{table} not found: run the encode stage (or `dvc pull`) first, or pass --all")
-    return resolved, table_keys(table)
+        _fail(f"encoded table {table} not found: {how}")
+    try:
+        return resolved, table_keys(table)
+    except (OSError, ValueError) as exc:  # pyarrow's errors for a file that is not a readable table
+        _fail(f"cannot read the encoded table {table} ({exc}): {how}")
+    raise AssertionError("unreachable")
 
 
 @store_group.command("push")
@@ -193,14 +206,19 @@ def push(root: Path | None, repo: Path, remote: str | None, encoded: Path | None
 @_encoded_option("Pull")
 def pull(root: Path | None, repo: Path, remote: str | None, encoded: Path | None) -> None:
     """Download from the remote the packs holding the encoded table's entries that the store lacks."""
+    from diffusion_pipe.store import StoreError
+
     store = _store(root)
-    target, keys = _remote_and_keys(repo, remote, encoded, False)
+    target, keys = _remote_and_keys(repo, remote, encoded, False, has_all=False)
     missing = 0
-    for fam in ("latent", "text"):
-        wanted = sorted(k for f, k in keys if f == fam)
-        n = store.pull(target, fam, wanted)
-        left = len(store.missing(fam, wanted))
-        missing += left
-        click.echo(f"{fam}: fetched {n} entries from {target.url}; {left} still missing")
+    try:
+        for fam in ("latent", "text"):
+            wanted = sorted(k for f, k in keys if f == fam)
+            n = store.pull(target, fam, wanted)
+            left = len(store.missing(fam, wanted))
+            missing += left
+            click.echo(f"{fam}: fetched {n} entries from {target.url}; {left} still missing")
+    except StoreError as exc:
+        _fail(str(exc))
     if missing:
         _fail(f"{missing} entries are on neither the store nor the remote: run the encode stage to compute them", 1)

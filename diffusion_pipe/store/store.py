@@ -152,13 +152,23 @@ class Lease:
     def __init__(self, path: Path, purpose: str) -> None:
         self.path = path
         self.started = time.time()
+        self.claimed_at: float | None = None
         self._stop = threading.Event()
-        body = {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
+        self._body = {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
         from diffusion_pipe.fileio import write_json_atomic
 
-        write_json_atomic(path, body)
+        write_json_atomic(path, self._body)
         self._thread = threading.Thread(target=self._beat, name=f"store-lease-{path.name}", daemon=True)
         self._thread.start()
+
+    def claim(self, keys: dict[str, list[str]]) -> None:
+        """Record the keys (family -> keys) this writer is about to compute, so that another writer starting on
+        the same keys waits for them instead of computing them twice (`diffusion_pipe.store.claims`)."""
+        from diffusion_pipe.fileio import write_json_atomic
+
+        self.claimed_at = time.time()
+        write_json_atomic(self.path, {**self._body, "claimed_at": self.claimed_at,
+                                      "claims": {fam: sorted(k) for fam, k in keys.items()}})
 
     def _beat(self) -> None:
         while not self._stop.wait(LEASE_HEARTBEAT_S):

@@ -100,17 +100,53 @@ def test_encode_uploads_what_it_computed_and_an_empty_store_fetches_it(tmp_path:
     assert Store(store_b).verify() == []
 
 
-def test_push_false_uploads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_push_false_uploads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
     """`encode.push: false`: the remote is still read (its report names it), what this run computes stays
-    local."""
+    local, and the report and stderr say how many packs the remote lacks and the command that sends them."""
     remote, store = tmp_path / "remote", tmp_path / "store"
     repo = _scan_and_encode(tmp_path, store, f"remote: {remote}\n  push: false", keep=4, monkeypatch=monkeypatch)
     report = _report(repo)
+    err = capsys.readouterr().err
     assert report["remote"] == str(remote)
     for fam in ("latent", "text"):
         assert report[fam]["computed"] == report[fam]["entries"] >= 2 and report[fam]["uploaded_packs"] == 0
-        assert list((store / fam).glob("*.safetensors"))
+        local = list((store / fam).glob("*.safetensors"))
+        assert local and report[fam]["remote_lacks_packs"] == len(local)
+        assert (f"encode: the store remote {remote} lacks {len(local)} {fam} packs of this run's entries "
+                "(encode.push is false); `diffusion-pipe store push --all` sends them") in err
     assert not [p for p in remote.rglob("*") if p.is_file()]
+
+
+def test_a_remote_down_during_upload_is_completed_by_the_next_encode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The upload fails (each family's folder on the remote is a file: the listing shows no packs, and no pack
+    can be written there), so encode fails after computing everything. Once the remote is back, the rerun
+    computes nothing and still uploads every pack the entries need, instead of only what it computed itself."""
+    remote, store = tmp_path / "remote", tmp_path / "store"
+    remote.mkdir()
+    for fam in ("latent", "text"):
+        (remote / fam).write_text("in the way")
+    repo = make_pipeline_repo(tmp_path / "repo", store, {"workers: 0": f"workers: 0\n  remote: {remote}"}, dvc=False)
+    for item in sorted((repo / "examples/flux-tiny/data").iterdir())[4:]:
+        item.unlink()
+    monkeypatch.chdir(repo)
+    stage_in_process("scan", store)
+    with pytest.raises(SystemExit) as exit_:
+        stage_in_process("encode", store)
+    assert exit_.value.code == 2
+    assert f"error: encode.remote: cannot upload to the store remote {remote} " in capsys.readouterr().err
+    assert not (repo / "data/encoded.parquet").exists() and list((store / "latent").glob("*.safetensors"))
+
+    for fam in ("latent", "text"):
+        (remote / fam).unlink()  # the remote is back
+    stage_in_process("encode", store)
+    report = _report(repo)
+    for fam in ("latent", "text"):
+        local = sorted(p.name for p in (store / fam).glob("*.safetensors"))
+        assert (report[fam]["computed"], report[fam]["reused_local"]) == (0, report[fam]["entries"])
+        assert report[fam]["uploaded_packs"] == len(local) >= 1 and report[fam]["remote_lacks_packs"] == 0
+        assert sorted(p.name for p in (remote / fam).glob("*.safetensors")) == local
 
 
 def test_unreachable_remote_is_an_error_naming_the_param(tmp_path: Path) -> None:

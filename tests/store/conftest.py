@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from diffusion_pipe.store import Store
-from tests.store.servers import seaweedfs, sftp  # noqa: F401 - fixtures shared with tests/encode
+# fixtures shared with tests/encode
+from tests.store.servers import seaweedfs, seaweedfs_server, sftp, sftp_server  # noqa: F401
 
 
 @pytest.fixture

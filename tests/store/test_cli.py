@@ -206,3 +206,37 @@ def test_gc_ignores_and_removes_leases_of_dead_writers(tmp_path: Path) -> None:
     report = store.gc(set(), 0)
     assert report.live_leases == 0 and len(report.deleted_packs) == 1
     assert not dead.exists()
+
+
+def test_push_and_pull_report_remote_failures_in_one_line(repo: Path, tmp_path: Path) -> None:
+    """An unreachable remote, a remote with a credential in its URL: one `error:` line naming the remote (password
+    masked) and exit status 2, never a traceback."""
+    from tests.conftest import free_port
+
+    store = Store(tmp_path / "store")
+    _pack(store, "latent", ["a1"])
+    _pack(store, "text", ["t1"])
+    (repo / "data").mkdir()
+    _table(repo / "data/encoded.parquet", ["a1"], ["t1"])
+    url = f"ssh://u:se/cret@127.0.0.1:{free_port()}/store"  # nothing listens there
+    for verb, what in (("push", "upload to"), ("pull", "download from")):
+        result = CliRunner().invoke(store_group, [verb, "--store", str(tmp_path / verb), "--repo", str(repo),
+                                                  "--remote", url.replace("se/cret", "pw")])
+        assert result.exit_code == 2, result.output  # an uncaught exception is exit status 1
+        assert f"error: cannot {what} the store remote ssh://u:***@127.0.0.1:" in result.output
+        assert "Traceback" not in result.output and ":pw@" not in result.output
+        result = CliRunner().invoke(store_group, [verb, "--store", str(tmp_path / verb), "--repo", str(repo),
+                                                  "--remote", url])  # DVC cannot parse it: still masked
+        assert result.exit_code == 2 and "ssh://u:***@127.0.0.1" in result.output, result.output
+        assert "cret" not in result.output
+
+
+@pytest.mark.parametrize("verb", ["push", "pull"])
+def test_push_and_pull_without_an_encoded_table_say_what_to_run(verb: str, repo: Path, tmp_path: Path) -> None:
+    code, out = _run(verb, "--store", str(tmp_path / "store"), "--repo", str(repo), "--remote", str(tmp_path / "r"))
+    assert code == 2
+    assert f"error: encoded table {repo}/data/encoded.parquet not found: run the encode stage" in out
+    (repo / "data").mkdir()
+    (repo / "data/encoded.parquet").write_text("not a table")
+    code, out = _run(verb, "--store", str(tmp_path / "store"), "--repo", str(repo), "--remote", str(tmp_path / "r"))
+    assert code == 2 and f"error: cannot read the encoded table {repo}/data/encoded.parquet" in out

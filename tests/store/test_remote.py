@@ -109,3 +109,49 @@ def test_remote_from_dvc_config(tmp_path: Path) -> None:
     _fill(a)
     assert a.push(remote, "latent") == 3
     assert (tmp_path / "dvc-remote" / "diffusion-pipe-store" / "latent").is_dir()
+
+
+def test_push_by_keys_uploads_only_what_the_remote_lacks_to_hold_them(tmp_path: Path) -> None:
+    """A key counts as on the remote when any pack holding it is there: a store holding keys in two packs each
+    uploads none of them again, and a key the remote lacks costs one pack."""
+    from diffusion_pipe.store.remote import lacking_packs
+
+    a, remote = Store(tmp_path / "a"), Remote(str(tmp_path / "r"))
+    pairs = _fill(a)  # {k0,k1} {k2,k3} {k4,k5}
+    with a.writer("latent") as w:  # all six in one pack too
+        for i, k in enumerate(KEYS):
+            w.add(k, make_entry(i))
+    assert a.push(remote, "latent", packs=w.packs) == 1
+    assert lacking_packs(a, remote, "latent", KEYS) == [] and a.push(remote, "latent", keys=KEYS) == 0
+    with a.writer("latent") as w2:
+        w2.add("k6", make_entry(6))
+    assert lacking_packs(a, remote, "latent", [*KEYS, "k6"]) == w2.packs
+    assert a.push(remote, "latent", keys=[*KEYS, "k6"]) == 1
+    assert sorted(p.name for p in (tmp_path / "r/latent").glob("*.safetensors")) == sorted(
+        f"{p}.safetensors" for p in (*w.packs, *w2.packs))
+    assert not set(pairs) & {p.name.split(".")[0] for p in (tmp_path / "r/latent").iterdir()}
+
+
+def test_a_secret_committed_in_the_dvc_config_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """.dvc/config is tracked by git, .dvc/config.local is not: a password in the former is named, never shown."""
+    pytest.importorskip("dvc_ssh", reason="dvc-ssh is not installed")
+    repo = tmp_path / "repo"
+    (repo / ".dvc").mkdir(parents=True)
+    remote = """['remote "shared"']\n    url = ssh://u@127.0.0.1/store\n"""  # nothing connects: no server needed
+    (repo / ".dvc" / "config").write_text("[core]\n    remote = shared\n" + remote)
+    (repo / ".dvc" / "config.local").write_text(remote + "    password = in-the-local-file\n")
+    with caplog.at_level("WARNING", logger="diffusion_pipe.store.remote"):
+        Remote.from_dvc(repo)
+    assert not caplog.records  # a secret in config.local is where it belongs
+    (repo / ".dvc" / "config").write_text("[core]\n    remote = shared\n" + remote + "    password = hunter2\n")
+    with caplog.at_level("WARNING", logger="diffusion_pipe.store.remote"):
+        Remote.from_dvc(repo)
+    assert "DVC remote 'shared' has password in .dvc/config, which git tracks" in caplog.text
+    assert "dvc remote modify --local shared" in caplog.text and "hunter2" not in caplog.text
+    caplog.clear()
+    (repo / ".dvc" / "config").write_text(
+        "[core]\n    remote = shared\n" + remote.replace("ssh://u@", "ssh://u:hunter2@"))
+    with caplog.at_level("WARNING", logger="diffusion_pipe.store.remote"):
+        Remote.from_dvc(repo)
+    assert "DVC remote 'shared' has a password in its url in .dvc/config" in caplog.text
+    assert "hunter2" not in caplog.text
