@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 import types
@@ -237,6 +238,13 @@ RECIPES = {
 }
 
 
+def _with_recipe(params: str, name: str) -> str:
+    """The bundled params with optimizer `name` and its learning rate in place of adamw's."""
+    params = re.sub(r"\n  optimizer: adamw\b.*", "", params)
+    assert "optimizer:" not in params
+    return params.replace("learning_rate: 2.0e-3", RECIPES[name])
+
+
 @pytest.fixture(scope="module")
 def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("optimizers")
@@ -254,7 +262,7 @@ def test_each_optimizer_trains_the_example_and_resumes_exactly(encoded_repo, tmp
     lineage."""
     repo, store = encoded_repo
     params = tmp_path / "params.yaml"
-    params.write_text((repo / "params.yaml").read_text().replace("learning_rate: 2.0e-3", RECIPES[name]))
+    params.write_text(_with_recipe((repo / "params.yaml").read_text(), name))
     runs = tmp_path / "runs"
     cmd = [sys.executable, "-m", "stages.train", "--params", str(params), "--runs", str(runs), "--out",
            str(runs / "out"), "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv")]
@@ -297,3 +305,47 @@ def _exported_weights_match(lora: Path, step_dir: Path) -> bool:
     exported = load_file(lora)
     return len(exported) == len(masters) and all(any(torch.equal(t, m) for m in masters.values())
                                                  for t in exported.values())
+
+
+# Runs the train stage with spies: which mode the optimizer is in (schedule-free's train_mode) whenever the loop
+# evaluates, renders samples, gathers a LoRA to write, or saves a checkpoint. The observations go to argv[1].
+SPY = """
+import atexit, json, runpy, sys
+from diffusion_pipe.train import loop, optim, samples, step_loras
+out, sys.argv = sys.argv[1], ["stages.train", *sys.argv[2:]]
+made, seen = [], []
+init = optim.MasterWeights.__init__
+def spy_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(self)
+optim.MasterWeights.__init__ = spy_init
+def spy(owner, name, what):
+    real = getattr(owner, name)
+    def wrapper(*args, **kwargs):
+        seen.append([what, "train" if made[0].param_groups[0]["train_mode"] else "eval"])
+        return real(*args, **kwargs)
+    setattr(owner, name, wrapper)
+spy(loop, "_mean_eval_loss", "eval")
+spy(samples.TrainingSamples, "_render", "sample")
+spy(step_loras, "gather_lora", "step lora")
+spy(loop, "gather_lora", "lora")
+spy(loop.Checkpoints, "save", "checkpoint")
+atexit.register(lambda: open(out, "w").write(json.dumps(seen)))
+runpy.run_module("stages.train", run_name="__main__")
+"""
+
+
+def test_schedule_free_evaluates_samples_and_writes_loras_at_its_eval_weights(encoded_repo, tmp_path):
+    """Evaluation, samples, the LoRAs written along the way and the final LoRA use schedule-free's eval weights;
+    checkpoints hold its training state (train mode), from which a resumed run continues."""
+    repo, store = encoded_repo
+    params = tmp_path / "params.yaml"
+    params.write_text(_with_recipe((repo / "params.yaml").read_text(), "schedulefree_adamw")
+                      .replace("eval_every_steps: 0", "eval_every_steps: 3\n  save_lora_every_steps: 3"))
+    runs = tmp_path / "runs"
+    run_checked([sys.executable, "-c", SPY, str(tmp_path / "seen.json"), "--params", str(params), "--runs", str(runs),
+                 "--out", str(runs / "out"), "--report", str(runs / "report.json"), "--loss-plot",
+                 str(runs / "loss.csv")], cwd=repo, env=run_env(store))
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert {what for what, _ in seen} == {"eval", "sample", "step lora", "lora", "checkpoint"}, seen
+    assert all(mode == ("train" if what == "checkpoint" else "eval") for what, mode in seen), seen

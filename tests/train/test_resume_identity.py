@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from diffusion_pipe.fileio import write_json_atomic
+from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.params import ModelParams, SampleParams, SamplePrompt, TrainParams
 from diffusion_pipe.train.data import DataError
 from diffusion_pipe.train.loop import check_resumable, run_identity
@@ -42,6 +43,23 @@ def test_samples_are_not_part_of_the_run_but_what_trains_is(encoded):
     assert run_identity(model, dataclasses.replace(train, learning_rate=train.learning_rate / 2), encoded, 32,
                         1) != base
     assert run_identity(model, train, encoded, 64, 1) != base
+
+
+def test_the_optimizer_and_its_args_are_part_of_the_run(encoded):
+    """Another optimizer, or other args of it, is another run; today's adamw keeps the identity of runs from before
+    train.optimizer existed (no optimizer keys), so they resume."""
+    from diffusion_pipe.params import ProdigyArgs
+
+    model, train = ModelParams(path="m"), TrainParams()
+    base = run_identity(model, train, encoded, 32, 1)
+    assert "optimizer" not in base["train"] and "optimizer_args" not in base["train"]
+    prodigy = dataclasses.replace(train, optimizer="prodigy", optimizer_args=ProdigyArgs(), learning_rate=1.0)
+    muon = dataclasses.replace(train, optimizer="muon", optimizer_args=None, learning_rate=1.0)
+    identities = [run_identity(model, t, encoded, 32, 1) for t in (prodigy, muon, dataclasses.replace(
+        prodigy, optimizer_args=ProdigyArgs(d_coef=0.5)))]
+    assert len({hash_json(i) for i in [base, *identities]}) == 4
+    assert identities[0]["train"]["optimizer"] == "prodigy"
+    assert identities[0]["train"]["optimizer_args"]["d_coef"] == 1.0
 
 
 def test_the_same_run_read_back_resumes(tmp_path, encoded):
