@@ -103,9 +103,42 @@ def test_adamw8bit_where_it_cannot_run_is_a_clear_error(monkeypatch):
     check_optimizer_available(TrainParams(), CPU)
 
 
+def test_adamw8bit_is_bitsandbytes_with_its_args(monkeypatch):
+    """Where bitsandbytes is installed (a GPU host), its AdamW8bit with the run's args (a stand-in module here)."""
+    fake = types.SimpleNamespace(optim=types.SimpleNamespace(AdamW8bit=object))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    train = from_dict(TrainParams, {"optimizer": "adamw8bit", "optimizer_args": {"min_8bit_size": 16},
+                                    "adam_betas": [0.8, 0.9], "weight_decay": 0.01}, "train")
+    cls, kwargs = OPTIMIZERS["adamw8bit"].build(train, torch.device("cuda"))
+    assert cls is object and kwargs == {"lr": train.learning_rate, "betas": (0.8, 0.9), "eps": train.adam_eps,
+                                        "weight_decay": 0.01, "min_8bit_size": 16}
+
+
 def test_muon_refuses_tensors_that_are_not_matrices():
     with pytest.raises(ConfigError, match=r"muon updates 2-D weight matrices only.*shapes \[\(3,\)\]"):
         build_optimizer([torch.nn.Parameter(torch.ones(3))], _train("muon"), CPU, LossScaler(False))
+
+
+
+# every arg of each optimizer, off its default
+CHANGED_ARGS = {
+    "prodigy": {"d_coef": 0.5, "d0": 1.0e-5, "beta3": 0.9, "growth_rate": 1.02, "decouple": False,
+                "use_bias_correction": True, "safeguard_warmup": True, "slice_p": 3},
+    "schedulefree_adamw": {"warmup_steps": 5, "r": 0.5, "weight_lr_power": 1.0},
+    "adafactor": {"scale_parameter": True, "clip_threshold": 0.5, "decay_rate": -0.5, "beta1": 0.9,
+                  "eps": (1.0e-29, 1.0e-2)},
+    "muon": {"momentum": 0.9, "nesterov": False, "ns_steps": 3, "eps": 1.0e-6, "adjust_lr_fn": "match_rms_adamw"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHANGED_ARGS))
+def test_every_arg_reaches_the_optimizer(name):
+    args = OPTIMIZER_ARGS[name](**CHANGED_ARGS[name])
+    assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
+    train = dataclasses.replace(_train(name), optimizer_args=args, weight_decay=0.01)
+    (group,) = build_optimizer(_params(), train, CPU, LossScaler(False)).param_groups
+    assert group["lr"] == train.learning_rate and group["weight_decay"] == 0.01
+    assert {k: group[k] for k in CHANGED_ARGS[name]} == CHANGED_ARGS[name]
 
 
 @pytest.mark.parametrize("name", ON_CPU)
