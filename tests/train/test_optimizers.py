@@ -220,29 +220,32 @@ def test_schedule_free_eval_weights_are_its_average_and_training_continues_exact
     those it left, bit for bit, so a run that evaluates trains exactly as one that does not."""
     from schedulefree import AdamWScheduleFree
 
-    train = _train("schedulefree_adamw")
+    train = dataclasses.replace(_train("schedulefree_adamw"), learning_rate=0.5)  # z far from y: the round trip rounds
     params, quiet_params = _params(), _params()
     opt = build_optimizer(params, train, CPU, LossScaler(False))
     quiet = build_optimizer(quiet_params, train, CPU, LossScaler(False))
     ref = [torch.nn.Parameter(p.detach().float()) for p in _params()]
     ref_opt = AdamWScheduleFree(ref, **OPTIMIZERS["schedulefree_adamw"].build(train, CPU)[1])
     ref_opt.train()
-    for step in range(3):
+    for step in range(6):
         _step(opt, params, step)
         _step(quiet, quiet_params, step)
         for r, grad in zip(ref, _grads(step)):
             r.grad = grad.float()
         ref_opt.step()
+    y = [r.detach().clone() for r in ref]
     ref_opt.eval()
     with opt.eval_weights():
         assert all(torch.equal(p, r.bfloat16()) for p, r in zip(params, ref))
         assert not all(torch.equal(p, q) for p, q in zip(params, quiet_params))
     assert all(torch.equal(m, q) for m, q in zip(opt.masters, quiet.masters))
     assert all(torch.equal(p, q) for p, q in zip(params, quiet_params))
+    ref_opt.train()  # the library's own way back rounds: what eval_weights must not leave behind
+    assert not all(torch.equal(r, before) for r, before in zip(ref, y))
     with opt.eval_weights(active=False):
         assert all(torch.equal(p, q) for p, q in zip(params, quiet_params))
-    _step(opt, params, 3)
-    _step(quiet, quiet_params, 3)
+    _step(opt, params, 6)
+    _step(quiet, quiet_params, 6)
     assert all(torch.equal(m, q) for m, q in zip(opt.masters, quiet.masters))
 
 
