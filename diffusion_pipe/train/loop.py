@@ -64,6 +64,10 @@ def schedule_warnings(train: TrainParams) -> list[str]:
     if train.warmup_steps >= train.steps:
         warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
                         "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
+    if train.optimizer == "prodigy" and train.learning_rate < 0.1:
+        warnings.append(f"train.learning_rate is {train.learning_rate:g} with train.optimizer: prodigy, which "
+                        "estimates the step size itself: learning_rate multiplies that estimate and is usually "
+                        "1.0; set learning_rate: 1.0 (lower it, or optimizer_args.d_coef, only to be more cautious)")
     if train.attention == "cudnn":
         warnings.append("train.attention: cudnn is experimental and not recommended: a compiled Flux-dev step was "
                         "no faster with it than with flash on an H200 (0.396 against 0.381 s), and its GPU check "
