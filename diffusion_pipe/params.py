@@ -500,7 +500,8 @@ class TrainParams:
                                       f"do); drop it, or set that optimizer's own train.optimizer_args")
         if self.optimizer == "schedulefree_adamw" and (self.lr_scheduler != "constant" or self.warmup_steps):
             raise ConfigError(f"train.optimizer: schedulefree_adamw replaces the learning-rate schedule, and "
-                              f"train.lr_scheduler is {self.lr_scheduler!r} with train.warmup_steps {self.warmup_steps}; "
+                              f"train.lr_scheduler is {self.lr_scheduler!r} with train.warmup_steps "
+                              f"{self.warmup_steps}; "
                               "set lr_scheduler: constant and warmup_steps: 0 (its own warmup is "
                               "train.optimizer_args.warmup_steps)")
         if self.optimizer == "muon" and self.adapter == "full":

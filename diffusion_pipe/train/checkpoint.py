@@ -283,8 +283,8 @@ class Checkpoints:
                     scalars[f"{kind}/{name}"] = value
         groups = [{k: v for k, v in group.items() if k != "params"} for group in full["param_groups"]]
         engine = {key: getattr(self.engine, key) for key in ("global_steps", "global_samples", "skipped_steps")}
-        meta = {"optimizer": self.optimizer.optimizer_class, "param_groups": groups, "loss_scaler": full["loss_scaler"], "scheduler": self.scheduler.state_dict(),
-                "engine": engine}
+        meta = {"optimizer": self.optimizer.optimizer_class, "param_groups": groups, "loss_scaler": full["loss_scaler"],
+                "scheduler": self.scheduler.state_dict(), "engine": engine}
         return tensors, meta | ({"state_scalars": scalars} if scalars else {})
 
 

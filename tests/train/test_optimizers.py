@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from diffusion_pipe.config import ConfigError, from_dict
-from diffusion_pipe.params import (OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyArgs, ScheduleFreeAdamWArgs,
-                                   TrainParams)
+from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyArgs, TrainParams
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available)
@@ -87,7 +86,8 @@ def test_optimizer_args_load_typed_with_defaults():
     assert train.optimizer_args == ProdigyArgs(d_coef=2.0, growth_rate=1.02)
     assert TrainParams(optimizer="muon").optimizer_args == MuonArgs()
     assert train.learning_rate == 1.0  # never changed for the user, whatever the optimizer
-    with pytest.raises(ConfigError, match=r"holds ProdigyArgs, and train\.optimizer is 'muon', whose args are MuonArgs"):
+    with pytest.raises(ConfigError, match=r"holds ProdigyArgs, and train\.optimizer is 'muon', whose args are "
+                                          r"MuonArgs"):
         dataclasses.replace(train, optimizer="muon")
 
 
@@ -293,9 +293,9 @@ def encoded_repo(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_optimizer_trains_the_example_and_resumes_exactly(encoded_repo, tmp_path, name):
-    """6 steps, checkpoints at 3 and 6: the eval loss falls; the LoRA written is the weights evaluation uses; the same run resumed from its step-3 checkpoint ends
-    with the same losses, evaluations and LoRA bytes; the optimizer and its args are in the run's identity and
-    lineage."""
+    """6 steps, checkpoints at 3 and 6: the eval loss falls; the LoRA written is the weights evaluation uses; the
+    same run resumed from its step-3 checkpoint ends with the same losses, evaluations and LoRA bytes; the
+    optimizer and its args are in the run's identity and lineage."""
     repo, store = encoded_repo
     params = tmp_path / "params.yaml"
     params.write_text(_with_recipe((repo / "params.yaml").read_text(), name))
