@@ -5,6 +5,8 @@ diffusers + peft loop on the same model and shapes, measured in the same run.
     python bench/bench_train.py --shape tiny --steps 6 --device cpu   # smoke test anywhere
     python bench/bench_train.py --shape dev --base-dtype float8 --variants eager,cap24 --no-plain  # fp8 base
     python bench/bench_train.py --shape dev --steps 12 --variants samples   # share of wall time spent sampling
+    python bench/bench_train.py --shape dev --steps 20 --no-plain \
+        --variants eager,opt-adamw8bit,opt-prodigy,opt-schedulefree_adamw,opt-adafactor,opt-muon   # optimizers
 
 The model is random-init (no weights can be downloaded), written in diffusers format and loaded back through
 the same `from_pretrained`/safetensors path a real checkpoint takes. Model FLOPs per step are counted by
@@ -146,6 +148,13 @@ VARIANTS = {
        for keep in ("narrow", "attention") for suffix in ("", "-compile")},
     # full fine-tuning (train.adapter: full): every weight trains, fp32 masters and AdamW state for each
     "full": {"plain": False, "adapter": "full"},
+    # each train.optimizer other than adamw, against "eager" (its step's time and memory; the bench's learning rate
+    # stays 1.0e-4, which times prodigy as well as its usual 1.0), and on a full fine-tune, against "full", where the
+    # optimizer's state is most of the memory (muon takes 2-D weights only: no full fine-tune)
+    **{f"opt-{name}": {"plain": False, "optimizer": name, "max_gpu_memory_gb": 80}
+       for name in ("adamw8bit", "prodigy", "schedulefree_adamw", "adafactor", "muon")},
+    **{f"full-{name}": {"plain": False, "adapter": "full", "optimizer": name}
+       for name in ("adamw8bit", "prodigy", "schedulefree_adamw", "adafactor")},
     # several samples a step: 4 micro-batches of 1 (gradient accumulation), 2 of 2, one of 2, eager and compiled;
     # the table's s/sample against "eager" / "compile" shows what each micro-batch costs beyond its compute
     **{f"{name}{suffix}": {"plain": False, "gradient_accumulation_steps": ga, "micro_batch_size": mb,

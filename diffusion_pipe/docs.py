@@ -49,6 +49,10 @@ FALLBACK_DESCRIPTIONS: dict[str, str] = {
     "SamplePrompt.width": "pixels (0: `train.samples.width`)",
     "SamplePrompt.height": "pixels (0: `train.samples.height`)",
     "SamplePrompt.steps": "sampling steps (0: `train.samples.steps`)",
+    "ProdigyArgs.use_bias_correction": "Adam's bias correction of the step size estimate (Prodigy's option)",
+    "MuonArgs.momentum": "the momentum of Muon's update",
+    "MuonArgs.nesterov": "Nesterov momentum",
+    "MuonArgs.eps": "added in the Newton-Schulz normalisation, for stability",
     "SampleParams.prompts": "the prompts (each a mapping: see train.samples.prompts[])",
     "SampleParams.width": "default width of every prompt's render, in pixels",
     "SampleParams.height": "default height of every prompt's render, in pixels",
@@ -204,9 +208,12 @@ def _anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def params_page(root: type, comments: dict[str, str], fallbacks: dict[str, str] = FALLBACK_DESCRIPTIONS) -> str:
-    """The params reference: a table per section of `root` (the whole params file's dataclass), each key with its
-    type, default, allowed values (its `RANGES` entry or Literal choices) and a one-line description. Pure."""
+def params_page(root: type, comments: dict[str, str], fallbacks: dict[str, str] = FALLBACK_DESCRIPTIONS,
+                extra: tuple[tuple[str, type], ...] = ()) -> str:
+    """The params reference: a table per section of `root` (the whole params file's dataclass), then per `extra`
+    (name, dataclass) pair (the mappings a param holds by another's value, as train.optimizer_args by
+    train.optimizer), each key with its type, default, allowed values (its `RANGES` entry or Literal choices) and a
+    one-line description. Pure."""
     lines = [
         _HEADER.format(source="diffusion_pipe/params.py"),
         "",
@@ -221,7 +228,7 @@ def params_page(root: type, comments: dict[str, str], fallbacks: dict[str, str] 
         "`[lo, hi]` (closed) and `(lo, hi)` (open); a list's range applies to each item.",
         "",
     ]
-    sections = _sections(root)
+    sections = _sections(root) + list(extra)
     lines += [f"- [`{name}`](#{_anchor(name)})" for name, _ in sections]
     for name, cls in sections:
         hints = typing.get_type_hints(cls)
@@ -238,7 +245,7 @@ def params_page(root: type, comments: dict[str, str], fallbacks: dict[str, str] 
                 _range_text(ranges[f.name]) if f.name in ranges else "")
             key = f"{cls.__name__}.{f.name}"
             desc = comments.get(key) or fallbacks.get(key, "")
-            lines.append(f"| `{f.name}` | {_type_text(tp)} | {_cell(_default_text(f))} | {_cell(allowed)} | "
+            lines.append(f"| `{f.name}` | {_cell(_type_text(tp))} | {_cell(_default_text(f))} | {_cell(allowed)} | "
                          f"{_cell(desc)} |")
     return "\n".join(lines) + "\n"
 
@@ -331,7 +338,8 @@ def generated_pages(root: Path | None = None) -> dict[str, str]:
         examples = [(p.relative_to(root).as_posix(), _model_keys(p)) for p in _example_files(family, root)]
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
         sections.append(family_section(family, doc, cls.capabilities, targets, examples))
-    return {"docs/params.md": params_page(params.Params, comments),
+    optimizer_args = tuple((f"train.optimizer_args of {name}", cls) for name, cls in params.OPTIMIZER_ARGS.items())
+    return {"docs/params.md": params_page(params.Params, comments, extra=optimizer_args),
             "docs/models.md": models_page(capability_table(), sections)}
 
 

@@ -6,11 +6,12 @@ those keys, so editing one key re-runs only the stages that read it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from diffusion_pipe.config import ConfigError, Range, _closest, from_dict, load_yaml
 from diffusion_pipe.redact import redact
@@ -291,6 +292,95 @@ class SampleParams:
 
 
 
+# train.optimizer: the optimizers train/optim.py's OPTIMIZERS builds; each one's `train.optimizer_args` are the
+# fields of its class in OPTIMIZER_ARGS (an unknown key is an error naming it). train.learning_rate and
+# train.weight_decay apply to every one; train.adam_betas and train.adam_eps to the Adam family (adamw, adamw8bit,
+# prodigy, schedulefree_adamw).
+Optimizer = Literal["adamw", "adamw8bit", "prodigy", "schedulefree_adamw", "adafactor", "muon"]
+_ADAM_FAMILY = ("adamw", "adamw8bit", "prodigy", "schedulefree_adamw")
+
+
+@dataclass(frozen=True)
+class AdamWArgs:
+    """train.optimizer: adamw (torch's AdamW) has no args of its own beyond train.adam_betas and adam_eps."""
+
+
+@dataclass(frozen=True)
+class AdamW8bitArgs:
+    """train.optimizer: adamw8bit (bitsandbytes' AdamW8bit, CUDA GPUs only)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"min_8bit_size": _AT_LEAST_1}
+
+    min_8bit_size: int = 4096  # tensors with fewer elements keep 32-bit state (bitsandbytes' default)
+
+
+@dataclass(frozen=True)
+class ProdigyArgs:
+    """train.optimizer: prodigy (prodigyopt's Prodigy): estimates the step size itself, so train.learning_rate is a
+    multiplier of its estimate and is usually 1.0."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "d_coef": _POSITIVE, "d0": _POSITIVE, "beta3": _FRACTION, "growth_rate": Range(1), "slice_p": _AT_LEAST_1,
+    }
+
+    d_coef: float = 1.0  # scales the estimated step size (below 1: more cautious)
+    d0: float = 1.0e-6  # the initial estimate
+    beta3: float | None = None  # null: sqrt(adam_betas[1]), Prodigy's default
+    growth_rate: float | None = None  # the most the estimate grows per step, as a factor; null: unbounded
+    decouple: bool = True  # AdamW-style decoupled weight decay
+    use_bias_correction: bool = False
+    safeguard_warmup: bool = False  # recommended with a warmup (train.warmup_steps > 0)
+    slice_p: int = 1  # estimate from every p-th weight only (less memory; about 11 is reasonable)
+
+
+@dataclass(frozen=True)
+class ScheduleFreeAdamWArgs:
+    """train.optimizer: schedulefree_adamw (schedulefree's AdamWScheduleFree): no LR schedule (train.lr_scheduler
+    must be constant and train.warmup_steps 0); its own warmup is `warmup_steps` here."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"warmup_steps": _AT_LEAST_0, "r": _AT_LEAST_0, "weight_lr_power": _AT_LEAST_0}
+
+    warmup_steps: int = 0  # linear warmup of the step size, inside the optimizer
+    r: float = 0.0  # polynomial weighting of the average
+    weight_lr_power: float = 2.0  # during warmup, each average weight is the step size to this power
+
+
+@dataclass(frozen=True)
+class AdafactorArgs:
+    """train.optimizer: adafactor (transformers' Adafactor) with the step size train.learning_rate (its
+    relative_step mode is not offered: it would ignore the learning rate)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"clip_threshold": _POSITIVE, "decay_rate": Range(-1, 0),
+                                          "beta1": _FRACTION, "eps": _POSITIVE}
+
+    scale_parameter: bool = False  # scale the step size by each weight's RMS
+    clip_threshold: float = 1.0  # the most an update's RMS may be
+    decay_rate: float = -0.8  # the second moment's decay, as a power of the step
+    beta1: float | None = None  # null: no first moment (Adafactor's memory saving); e.g. 0.9 to keep one
+    eps: tuple[float, float] = (1.0e-30, 1.0e-3)  # added to squared gradients; the least weight scale
+
+
+@dataclass(frozen=True)
+class MuonArgs:
+    """train.optimizer: muon (torch.optim.Muon): orthogonalised momentum, for 2-D weight matrices only (a LoRA's A
+    and B on linear layers)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"momentum": _FRACTION, "ns_steps": Range(1, 100), "eps": _POSITIVE}
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    eps: float = 1.0e-7
+    # "match_rms_adamw" scales each update to AdamW's size, so AdamW's learning rate and weight decay carry over
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+
+
+OPTIMIZER_ARGS: dict[str, type] = {
+    "adamw": AdamWArgs, "adamw8bit": AdamW8bitArgs, "prodigy": ProdigyArgs,
+    "schedulefree_adamw": ScheduleFreeAdamWArgs, "adafactor": AdafactorArgs, "muon": MuonArgs,
+}
+
+
 @dataclass(frozen=True)
 class TrainParams:
     """The train stage: optimisation, LoRA, objective, parallel layout, checkpoints and evaluation."""
@@ -317,7 +407,10 @@ class TrainParams:
     steps: int = 100
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 1.0e-4
+    learning_rate: float = 1.0e-4  # prodigy: a multiplier of the step size it estimates, usually 1.0
+    # which optimizer steps the LoRA (see OPTIMIZER_ARGS above); its own args in optimizer_args, a mapping
+    optimizer: Optimizer = "adamw"
+    optimizer_args: Any = None  # read into OPTIMIZER_ARGS[optimizer] (None or {}: its defaults)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -376,6 +469,7 @@ class TrainParams:
         "with it could train on wrong gradients; set attention: flash (the default), or delete the line")
 
     def __post_init__(self) -> None:
+        self._check_optimizer()
         if self.attention == "cudnn":
             raise ValueError(self.REMOVED_ATTENTION)
         if self.attention != "flash":
@@ -404,6 +498,30 @@ class TrainParams:
         if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")
+
+    def _check_optimizer(self) -> None:
+        """Read `optimizer_args` into the chosen optimizer's args class, and refuse what that optimizer cannot do."""
+        cls, args = OPTIMIZER_ARGS[self.optimizer], self.optimizer_args
+        if not isinstance(args, cls):
+            if dataclasses.is_dataclass(args):
+                raise ConfigError(f"train.optimizer_args: holds {type(args).__name__}, and train.optimizer is "
+                                  f"{self.optimizer!r}, whose args are {cls.__name__}")
+            object.__setattr__(self, "optimizer_args", from_dict(cls, args, "train.optimizer_args"))
+        if self.optimizer not in _ADAM_FAMILY:
+            defaults = TrainParams.__dataclass_fields__
+            for name in ("adam_betas", "adam_eps"):
+                if getattr(self, name) != defaults[name].default:
+                    raise ConfigError(f"train.{name}: {self.optimizer} does not use it (only {', '.join(_ADAM_FAMILY)} "
+                                      f"do); drop it, or set that optimizer's own train.optimizer_args")
+        if self.optimizer == "schedulefree_adamw" and (self.lr_scheduler != "constant" or self.warmup_steps):
+            raise ConfigError(f"train.optimizer: schedulefree_adamw replaces the learning-rate schedule, and "
+                              f"train.lr_scheduler is {self.lr_scheduler!r} with train.warmup_steps "
+                              f"{self.warmup_steps}; "
+                              "set lr_scheduler: constant and warmup_steps: 0 (its own warmup is "
+                              "train.optimizer_args.warmup_steps)")
+        if self.optimizer == "muon" and self.adapter == "full":
+            raise ConfigError("train.optimizer: muon updates 2-D weight matrices only, and train.adapter: full trains "
+                              "every weight (biases and norms are 1-D); train a LoRA, or choose another optimizer")
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ SWAP = "diffusion_pipe/train/swap.py"
 SWAP_TESTS = ("tests/train/test_swap.py",)
 PLAN_TESTS = ("tests/encode/test_plan.py",)
 ORDER_TESTS = ("tests/store/test_write_order.py",)
+OPTIMIZERS = "tests/train/test_optimizers.py"
+SPIED = f"{OPTIMIZERS}::test_schedule_free_evaluates_samples_and_writes_loras_at_its_eval_weights"
 EXPORT_TESTS = ("tests/export/test_export_stage.py", "tests/export/test_merge.py")
 
 MUTATIONS: list[Mutation] = [
@@ -1055,6 +1057,61 @@ MUTATIONS: list[Mutation] = [
              '            fs_config.setdefault("read_timeout", timeout_s)\n', "",
              ("tests/store/test_remote_servers.py::test_a_frozen_s3_server_fails_the_transfer_within_a_few_timeouts",),
              "an S3 read waits botocore's 60 s default, whatever the remote's timeout"),
+    # issue 36: optimizers
+    Mutation("optimizer-eval-weights-not-restored", "diffusion_pipe/train/optim.py",
+             "                torch._foreach_copy_(self.masters, training)\n", "                pass\n",
+             (f"{OPTIMIZERS}::test_schedule_free_eval_weights_are_its_average_and_training_continues_exactly",),
+             "after schedule-free's eval weights, training continues from its train() round trip, not its own weights"),
+    Mutation("optimizer-schedulefree-left-in-eval-mode", "diffusion_pipe/train/optim.py",
+             "        if self.has_modes:\n            self.train()\n", "        if False:\n            self.train()\n",
+             (f"{OPTIMIZERS}::test_the_library_optimizer_steps_fp32_masters",),
+             "a schedule-free optimizer is never put in train mode, and its first step fails"),
+    Mutation("optimizer-adamw8bit-on-cpu", "diffusion_pipe/train/optim.py", '    if device.type != "cuda":',
+             "    if False:", (f"{OPTIMIZERS}::test_adamw8bit_where_it_cannot_run_is_a_clear_error",),
+             "adamw8bit on a CPU run fails inside bitsandbytes instead of saying what to use"),
+    Mutation("optimizer-prodigy-d-coef-ignored", "diffusion_pipe/train/optim.py", "d0=args.d0, d_coef=args.d_coef,",
+             "d0=args.d0, d_coef=1.0,", (f"{OPTIMIZERS}::test_every_arg_reaches_the_optimizer",),
+             "train.optimizer_args.d_coef is read and never given to Prodigy"),
+    Mutation("optimizer-args-unchecked", "diffusion_pipe/params.py",
+             'object.__setattr__(self, "optimizer_args", from_dict(cls, args, "train.optimizer_args"))',
+             'object.__setattr__(self, "optimizer_args", cls())',
+             (f"{OPTIMIZERS}::test_optimizer_params_are_checked_at_load",),
+             "a misspelt or mistyped optimizer arg is dropped silently and the defaults train"),
+    Mutation("optimizer-schedulefree-takes-a-schedule", "diffusion_pipe/params.py",
+             'if self.optimizer == "schedulefree_adamw" and (', 'if self.optimizer == "never" and (',
+             (f"{OPTIMIZERS}::test_optimizer_params_are_checked_at_load",),
+             "an LR schedule runs on top of a schedule-free optimizer"),
+    Mutation("checkpoint-scalar-state-dropped", CHECKPOINT, '                    scalars[f"{kind}/{name}"] = value',
+             "                    pass", (f"{OPTIMIZERS}::test_state_through_a_checkpoint_continues_exactly",),
+             "an optimizer's per-parameter numbers (Prodigy's, Adafactor's step counts) are not checkpointed"),
+    Mutation("checkpoint-group-lists-not-tuples", CHECKPOINT,
+             "{k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}", "{k: v for k, v in group.items()}",
+             (f"{OPTIMIZERS}::test_state_through_a_checkpoint_continues_exactly",),
+             "a resumed optimizer's tuple hyperparameters (betas, Muon's coefficients) come back as lists"),
+    Mutation("checkpoint-other-optimizer-loaded", CHECKPOINT, "        if theirs != ours:", "        if False:",
+             (f"{OPTIMIZERS}::test_a_checkpoint_of_another_optimizer_is_refused",),
+             "--resume-from a run of another optimizer loads its state into this one"),
+    Mutation("identity-without-optimizer", LOOP,
+             'default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()',
+             'default_optimizer = ("optimizer", "optimizer_args")',
+             ("tests/train/test_resume_identity.py::test_the_optimizer_and_its_args_are_part_of_the_run",),
+             "a changed optimizer or optimizer arg resumes the old run's checkpoints"),
+    Mutation("prodigy-small-lr-not-warned", LOOP, 'if train.optimizer == "prodigy" and train.learning_rate < 0.1:',
+             'if train.optimizer == "never" and train.learning_rate < 0.1:',
+             ("tests/train/test_messages.py::test_a_small_learning_rate_with_prodigy_is_warned_about",),
+             "prodigy with an AdamW-sized learning rate trains thousands of times slower, silently"),
+    Mutation("eval-at-schedulefree-training-weights", LOOP,
+             "            with optimizer.eval_weights():\n                for t in train.eval_timesteps:",
+             "            with optimizer.eval_weights(False):\n                for t in train.eval_timesteps:",
+             (SPIED,), "evaluation with a schedule-free optimizer measures the training point, not its average"),
+    Mutation("samples-at-schedulefree-training-weights", LOOP,
+             '            with optimizer.eval_weights(samples.due(state["step"])):',
+             "            with optimizer.eval_weights(False):", (SPIED,),
+             "samples during training with a schedule-free optimizer render the training point"),
+    Mutation("lora-at-schedulefree-training-weights", LOOP,
+             "    with optimizer.eval_weights():  # the weights to export",
+             "    with optimizer.eval_weights(False):  # the weights to export", (SPIED,),
+             "the LoRA of a schedule-free run is its training point, not the average it should export"),
 ]
 
 

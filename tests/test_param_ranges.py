@@ -4,6 +4,7 @@ instead of minutes later inside training (YAML's .nan and .inf included)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 
@@ -67,6 +68,8 @@ def _params_classes() -> list[type]:
 def _numeric(tp: object) -> bool:
     if tp in (int, float):
         return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # `float | None`: a number, or null
+        return any(_numeric(a) for a in typing.get_args(tp))
     return typing.get_origin(tp) is tuple and any(a in (int, float) for a in typing.get_args(tp))
 
 
@@ -79,4 +82,4 @@ def test_every_numeric_param_has_one_range_and_its_default_is_in_it(cls):
     for f in dataclasses.fields(cls):
         if f.name in ranges and f.default is not dataclasses.MISSING:
             values = f.default if isinstance(f.default, tuple) else (f.default,)
-            assert all(v in ranges[f.name] for v in values), (cls.__name__, f.name, f.default)
+            assert all(v is None or v in ranges[f.name] for v in values), (cls.__name__, f.name, f.default)

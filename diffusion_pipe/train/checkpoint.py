@@ -4,9 +4,13 @@ A run's checkpoint directory (`runs/checkpoints/<run id>/`) holds one `step<N>/`
 `latest` file naming the newest, for people and scripts. A step directory holds:
 
 - `stage<S>.safetensors`, written by the first data-parallel rank of pipeline stage S: for each trainable (LoRA)
-  parameter of the stage, keyed by its name in the pipeline module, its fp32 master weight and AdamW state
-  (`master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`, `step/<name>`); the LoRA weights are the masters;
-- `stage<S>.json`: the stage's optimizer hyperparameters, loss scaler, LR scheduler and engine counters;
+  parameter of the stage, keyed by its name in the pipeline module, its fp32 master weight and the optimizer's
+  tensors for it (`master/<name>`; for AdamW `exp_avg/<name>`, `exp_avg_sq/<name>`, `step/<name>`, for any
+  optimizer `<its state key>/<name>`); the LoRA weights are the masters;
+- `stage<S>.json`: the stage's optimizer hyperparameters (its param groups, with whatever the optimizer keeps
+  there: Prodigy's step-size estimate, a schedule-free optimizer's mode), the optimizer's per-parameter numbers
+  that are not tensors (`state_scalars`, e.g. Prodigy's and Adafactor's step counts), loss scaler, LR scheduler
+  and engine counters;
 - `rng.safetensors`: every rank's RNG states (`rank<R>/cpu`, `rank<R>/cuda`) as uint8 tensors;
 - `state.json`: the loop's state (step, sampler position, losses, gradient norms, evaluations);
 - `manifest.json`, written last, once every rank has written its files: the xxh3-128 of each of them.
@@ -40,7 +44,8 @@ from diffusion_pipe.train.pipeline import Dist
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-_OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "step")
+# The optimizer of a checkpoint from before `optimizer` was recorded in its stage files.
+_ADAMW = "torch.optim.adamw.AdamW"
 # How long a rank waits for another node's checkpoint files to appear on the shared filesystem before stopping.
 VISIBLE_WAIT_S = 10.0
 
@@ -214,14 +219,25 @@ class Checkpoints:
             # the files match their manifest, so they were written as they are: by something other than us
             raise CheckpointError(f"{path}: not a checkpoint this version of diffusion-pipe can read ({exc}); "
                                   "resume from another one, or delete it to start over") from exc
+        theirs, ours = meta.get("optimizer", _ADAMW), self.optimizer.optimizer_class
+        if theirs != ours:  # another optimizer's state would be misread (--resume-from of a run with another one)
+            raise CheckpointError(f"{path} is a checkpoint of a run whose optimizer was {theirs}, and this run's "
+                                  f"train.optimizer is {ours}: its state does not carry over; resume from a run of "
+                                  "the same train.optimizer, or start this one afresh")
         if missing := [name for name in self.names if f"master/{name}" not in tensors]:
             raise CheckpointError(f"{path} holds no weights for {len(missing)} of this run's LoRA parameters (e.g. "
                                   f"{missing[0]}): it is a checkpoint of another model or LoRA setup")
-        groups = [dict(group, betas=tuple(group["betas"]), params=list(range(len(self.names))))
-                  for group in meta["param_groups"]]
+        # JSON has no tuples: every list in a param group was one (betas, Adafactor's eps, Muon's coefficients)
+        groups = [{**{k: tuple(v) if isinstance(v, list) else v for k, v in group.items()},
+                   "params": list(range(len(self.names)))} for group in meta["param_groups"]]
+        index = {name: i for i, name in enumerate(self.names)}
+        optimizer_state: dict[int, dict] = {}
+        for key, value in [*tensors.items(), *meta["state_scalars"].items()]:
+            kind, name = key.split("/", 1)
+            if kind != "master" and name in index:
+                optimizer_state.setdefault(index[name], {})[kind] = value
         self.optimizer.load_state_dict({
-            "state": {i: {kind: tensors[f"{kind}/{name}"] for kind in _OPTIMIZER_STATE}
-                      for i, name in enumerate(self.names) if f"step/{name}" in tensors},
+            "state": optimizer_state,
             "param_groups": groups, "masters": [tensors[f"master/{name}"] for name in self.names],
             "loss_scaler": meta["loss_scaler"]})
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -243,26 +259,35 @@ class Checkpoints:
         from safetensors.torch import load_file
 
         stages = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["stages"]
-        wanted = {f"{kind}/{name}" for name in self.names for kind in ("master", *_OPTIMIZER_STATE)}
+        names = set(self.names)
         tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, object] = {}
         for stage in range(stages):
             with safe_open(path / f"stage{stage}.safetensors", framework="pt") as fh:
-                tensors |= {key: fh.get_tensor(key) for key in fh.keys() if key in wanted}
+                tensors |= {key: fh.get_tensor(key) for key in fh.keys() if key.split("/", 1)[1] in names}
+            stage_meta = json.loads((path / f"stage{stage}.json").read_text(encoding="utf-8"))
+            scalars |= {k: v for k, v in stage_meta.get("state_scalars", {}).items() if k.split("/", 1)[1] in names}
         meta = json.loads((path / f"stage{min(self.stage, stages - 1)}.json").read_text(encoding="utf-8"))
+        meta["state_scalars"] = scalars
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         return tensors, meta, load_file(path / "rng.safetensors"), state
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """This stage's tensors (masters, AdamW state by parameter name) and the rest, JSON-ready."""
+        """This stage's tensors (masters, the optimizer's state by parameter name) and the rest, JSON-ready."""
         full = self.optimizer.state_dict()
         tensors = {f"master/{name}": master for name, master in zip(self.names, full["masters"])}
+        scalars = {}  # plain numbers stay numbers: an optimizer may compute with a step count as a Python int
         for i, name in enumerate(self.names):
             for kind, value in full["state"].get(i, {}).items():
-                tensors[f"{kind}/{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+                if torch.is_tensor(value):
+                    tensors[f"{kind}/{name}"] = value
+                else:
+                    scalars[f"{kind}/{name}"] = value
         groups = [{k: v for k, v in group.items() if k != "params"} for group in full["param_groups"]]
         engine = {key: getattr(self.engine, key) for key in ("global_steps", "global_samples", "skipped_steps")}
-        return tensors, {"param_groups": groups, "loss_scaler": full["loss_scaler"],
-                         "scheduler": self.scheduler.state_dict(), "engine": engine}
+        meta = {"optimizer": self.optimizer.optimizer_class, "param_groups": groups, "loss_scaler": full["loss_scaler"],
+                "scheduler": self.scheduler.state_dict(), "engine": engine}
+        return tensors, meta | ({"state_scalars": scalars} if scalars else {})
 
 
 def _check_visible(path: Path, parts: list[tuple[str, dict[str, str], dict[str, int]]], dist: Dist,

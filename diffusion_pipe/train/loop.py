@@ -38,7 +38,7 @@ from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_c
 from diffusion_pipe.train.guards import diverged, step_is_finite
 from diffusion_pipe.train.lora import gather_lora
 from diffusion_pipe.train.objectives import mse_loss
-from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
+from diffusion_pipe.train.optim import LossScaler, build_optimizer, check_optimizer_available
 from diffusion_pipe.train.samples import TrainingSamples
 from diffusion_pipe.train.step_loras import StepLoras
 from diffusion_pipe.train.swap import apply_block_swap
@@ -66,6 +66,10 @@ def schedule_warnings(train: TrainParams) -> list[str]:
     if train.warmup_steps >= train.steps:
         warnings.append(f"train.warmup_steps ({train.warmup_steps}) >= train.steps ({train.steps}): the learning "
                         "rate never leaves warmup; lower warmup_steps (about 5-10% of steps is usual)")
+    if train.optimizer == "prodigy" and train.learning_rate < 0.1:
+        warnings.append(f"train.learning_rate is {train.learning_rate:g} with train.optimizer: prodigy, which "
+                        "estimates the step size itself: learning_rate multiplies that estimate and is usually "
+                        "1.0; set learning_rate: 1.0 (lower it, or optimizer_args.d_coef, only to be more cautious)")
     return warnings
 
 
@@ -98,7 +102,9 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
     one value left and is kept out so that runs from when it had two continue)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
                "save_lora_every_steps", "swap_prefetch", "attention")
-    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence}
+    # today's optimizer is the one of every run from before train.optimizer existed, whose identity lacks the keys
+    default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()
+    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
                                                            "pipeline_stages": train.pipeline_stages}}
@@ -138,6 +144,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
     dist = init_distributed(train.device)
     check_dtype_supported(model.dtype)
+    check_optimizer_available(train, dist.device)
     adapter = load_adapter(model)
     train_rows, eval_rows = read_rows(encoded_path, "train"), read_rows(encoded_path, "eval")
     check_entries(train_rows + eval_rows, store, adapter, encode.text_max_length)
@@ -175,9 +182,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                    checkpointing_share=train.activation_checkpointing_share,
                                    checkpointing_keep=train.activation_checkpointing_keep)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = MasterWeightAdamW(trainable, fused=dist.device.type == "cuda", lr=train.learning_rate,
-                                  betas=train.adam_betas, eps=train.adam_eps, weight_decay=train.weight_decay,
-                                  max_grad_norm=train.max_grad_norm, loss_scaler=scaler)
+    optimizer = build_optimizer(trainable, train, dist.device, scaler)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, dp_world))
@@ -216,9 +221,10 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         per_t = {}
         with tqdm(total=len(train.eval_timesteps) * len(eval_rows), desc=f"eval at step {step}", unit="sample",
                   file=sys.stderr, disable=not is_reporter, leave=False) as progress:
-            for t in train.eval_timesteps:
-                batches = eval_batches(eval_rows, store, adapter, train, t)
-                per_t[f"{t:g}"] = _mean_eval_loss(engine, batches, progress) / scaler.scale
+            with optimizer.eval_weights():
+                for t in train.eval_timesteps:
+                    batches = eval_batches(eval_rows, store, adapter, train, t)
+                    per_t[f"{t:g}"] = _mean_eval_loss(engine, batches, progress) / scaler.scale
         state["evals"].append({"step": step, "loss": sum(per_t.values()) / len(per_t), "by_timestep": per_t})
         if writer:
             writer.add_scalar("eval/loss", state["evals"][-1]["loss"], step)
@@ -265,7 +271,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                            dist.rank, train.lora_rank, train.lora_alpha, runs_root / "loras" / run_id, identity, run_id)
     samples_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dp_world
     evaluate(0)
-    samples.render(state["step"])
+    with optimizer.eval_weights(samples.due(state["step"])):
+        samples.render(state["step"])
     started, first_step = time.perf_counter(), state["step"]
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
@@ -298,12 +305,14 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                       state["step"])
             if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
                 evaluate(state["step"])
-            samples.render(state["step"])
+            with optimizer.eval_weights(samples.due(state["step"])):
+                samples.render(state["step"])
             save_now, signum, diverging = after_step(step_is_finite(loss, state["grad_norms"][-1], scaler.enabled))
             if diverging:  # before any save: the last checkpoint stays the last good one
                 raise diverged(state["step"], loss, state["grad_norms"][-1], train, checkpoints.last_step,
                                checkpoint_dir)
-            step_loras.save(state["step"])
+            with optimizer.eval_weights(step_loras.due(state["step"])):
+                step_loras.save(state["step"])
             if save_now and (state["step"] < train.steps or signum is not None):  # the last step's: after the LoRA
                 save_checkpoint()
             if signum is not None:
@@ -321,9 +330,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         loader.close()
         profiler.close()
     evaluate(state["step"])
-    samples.render(state["step"], final=True)
+    with optimizer.eval_weights(samples.due(state["step"])):
+        samples.render(state["step"], final=True)
 
-    lora = gather_lora(denoiser, module, full=train.adapter == "full")
+    with optimizer.eval_weights():  # the weights to export (a schedule-free optimizer's average)
+        lora = gather_lora(denoiser, module, full=train.adapter == "full")
     report = {
         "run_id": run_id, "steps": state["step"], "resumed_from": resumed_from,
         "train_loss_first": state["losses"][0], "train_loss_last": state["losses"][-1],

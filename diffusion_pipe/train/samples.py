@@ -92,10 +92,14 @@ class TrainingSamples:
         return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,
                    writer)
 
+    def due(self, step: int) -> bool:
+        """Whether `render(step)` renders the samples of `step`."""
+        return step in self.steps and step not in self.done
+
     def render(self, step: int, final: bool = False) -> None:
         """Render the samples of `step` if it is one of the sample steps (at most once per step); `final` at
         the end of training also publishes the grids to the stage's output."""
-        if step in self.steps and step not in self.done:
+        if self.due(step):
             self.done.add(step)
             if self.dist.rank == 0:
                 self._render(step)

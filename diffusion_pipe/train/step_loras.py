@@ -55,9 +55,13 @@ class StepLoras:
         self.run_dir, self.run_id = run_dir, run_id
         self.identity = json.dumps(identity, sort_keys=True, separators=(",", ":"))
 
+    def due(self, step: int) -> bool:
+        """Whether `save(step)` writes a LoRA."""
+        return step in self.steps
+
     def save(self, step: int) -> None:
         """After step `step` (on every rank): gather and write the LoRA if `step` is one of the steps."""
-        if step not in self.steps:
+        if not self.due(step):
             return
         lora = gather_lora(self.denoiser, self.module)  # every rank takes part
         if self.rank != 0:

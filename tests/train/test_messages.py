@@ -46,6 +46,14 @@ def test_a_run_diverging_at_its_first_step_does_not_blame_the_learning_rate(tmp_
     assert "Lower train.learning_rate (now 0.0001)" in later and "the last checkpoint, step 4" in later
 
 
+def test_a_small_learning_rate_with_prodigy_is_warned_about():
+    (warning,) = schedule_warnings(TrainParams(steps=11, optimizer="prodigy", learning_rate=1e-4))
+    assert "train.learning_rate is 0.0001 with train.optimizer: prodigy" in warning
+    assert "set learning_rate: 1.0" in warning
+    assert schedule_warnings(TrainParams(steps=11, optimizer="prodigy", learning_rate=1.0)) == []
+    assert schedule_warnings(TrainParams(steps=11, learning_rate=1e-4)) == []
+
+
 def test_train_stage_warns_and_shows_eval_progress(tmp_path):
     store = tmp_path / "store"
     edits = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 2"}

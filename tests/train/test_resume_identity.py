@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from diffusion_pipe.fileio import write_json_atomic
-from diffusion_pipe.params import ModelParams, SampleParams, SamplePrompt, TrainParams
+from diffusion_pipe.hashing import hash_json
+from diffusion_pipe.params import OPTIMIZER_ARGS, ModelParams, SampleParams, SamplePrompt, TrainParams
 from diffusion_pipe.train.data import DataError
 from diffusion_pipe.train.loop import check_resumable, run_identity
 
@@ -51,6 +52,9 @@ MAY_CHANGE_ON_RESUME = {
     "swap_prefetch",  # whether swapped blocks are copied ahead: the same weights, the same products
     "attention",  # one value left (flash); left out so that runs from when it had two continue
 }
+# Left out of the identity while they hold today's default (adamw, no args), so that runs from before they existed
+# resume; any other optimizer or args is another run (test_the_optimizer_and_its_args_are_part_of_the_run).
+ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args"}
 # Another valid value of every other train param: changing any of them must start a new run.
 OTHER_VALUE = {
     "seed": 1, "steps": 200, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 2.0e-4,
@@ -63,7 +67,7 @@ OTHER_VALUE = {
     "device": "cpu", "caption_dropout": 0.1, "eval_every_steps": 10, "eval_timesteps": (0.5,),
     "checkpoint_every_steps": 10, "checkpoint_every_minutes": 5.0, "keep_checkpoints": 2,
     "samples": SampleParams(prompts=(SamplePrompt("a red cube"),)), "save_lora_every_steps": 10,
-    "swap_prefetch": False,
+    "swap_prefetch": False, "optimizer": "adafactor",
 }
 
 
@@ -74,11 +78,30 @@ def test_every_train_param_is_in_the_run_identity_or_allowed_to_change_on_resume
     base = TrainParams(activation_checkpointing=True)  # the share and keep apply only with checkpointing on
     identity = run_identity(model, base, encoded, 32, 1)
     names = {f.name for f in dataclasses.fields(TrainParams)}
-    assert names - set(identity["train"]) == MAY_CHANGE_ON_RESUME
-    for name in sorted(names - {"attention"}):  # attention has one value left (flash)
+    assert names - set(identity["train"]) == MAY_CHANGE_ON_RESUME | ABSENT_AT_DEFAULT
+    for name in sorted(names - {"attention", "optimizer_args"}):  # attention: one value left; args: per optimizer
         assert name in OTHER_VALUE, f"train.{name}: add another value of it to OTHER_VALUE"
-        changed = run_identity(model, dataclasses.replace(base, **{name: OTHER_VALUE[name]}), encoded, 32, 1)
+        # an optimizer comes with its own args class
+        args = {"optimizer_args": OPTIMIZER_ARGS[OTHER_VALUE[name]]()} if name == "optimizer" else {}
+        changed = run_identity(model, dataclasses.replace(base, **{name: OTHER_VALUE[name]}, **args), encoded, 32, 1)
         assert (changed == identity) == (name in MAY_CHANGE_ON_RESUME), name
+
+
+def test_the_optimizer_and_its_args_are_part_of_the_run(encoded):
+    """Another optimizer, or other args of it, is another run; today's adamw keeps the identity of runs from before
+    train.optimizer existed (no optimizer keys), so they resume."""
+    from diffusion_pipe.params import ProdigyArgs
+
+    model, train = ModelParams(path="m"), TrainParams()
+    base = run_identity(model, train, encoded, 32, 1)
+    assert "optimizer" not in base["train"] and "optimizer_args" not in base["train"]
+    prodigy = dataclasses.replace(train, optimizer="prodigy", optimizer_args=ProdigyArgs(), learning_rate=1.0)
+    muon = dataclasses.replace(train, optimizer="muon", optimizer_args=None, learning_rate=1.0)
+    identities = [run_identity(model, t, encoded, 32, 1) for t in (prodigy, muon, dataclasses.replace(
+        prodigy, optimizer_args=ProdigyArgs(d_coef=0.5)))]
+    assert len({hash_json(i) for i in [base, *identities]}) == 4
+    assert identities[0]["train"]["optimizer"] == "prodigy"
+    assert identities[0]["train"]["optimizer_args"]["d_coef"] == 1.0
 
 
 def test_the_same_run_read_back_resumes(tmp_path, encoded):
