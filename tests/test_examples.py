@@ -13,6 +13,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from diffusion_pipe.sample.render import grid_layout
+from diffusion_pipe.sample.stage import comparison_columns
 from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
 
 EXAMPLES = sorted(p.parent.name for p in (REPO / "examples").glob("*-tiny/params.yaml"))
@@ -52,8 +54,11 @@ def test_bundled_example_runs_through_dvc_repro(tmp_path, example):
     assert len(sample["prompts"]) == len(prompts)
     if prompts:  # rendering shows progress, in training and in the sample stage
         assert re.search(r"samples: +\d+%\|", repro.stderr) and re.search(r"sample: +\d+%\|", repro.stderr)
-    if prompts:  # a row per prompt: without | with the LoRA, after the image it edits for an edit family
-        columns = 3 if prompts[0].get("control") else 2
-        cell = max(p.get("width") or params["train"]["samples"].get("width", 512) for p in prompts)
+    if prompts:  # a row per prompt: without | with the LoRA, after the image it edits for an edit family; labelled
+        samples = params["train"]["samples"]
+        sizes = [(p.get("height") or samples.get("height", 512), p.get("width") or samples.get("width", 512))
+                 for p in prompts]
+        columns = comparison_columns(bool(prompts[0].get("control")), params["train"].get("adapter") == "full")
+        layout = grid_layout([[size] * len(columns) for size in sizes], [p["prompt"] for p in prompts], columns)
         with Image.open(repo / "reports/lora_samples/comparison.png") as grid:
-            assert grid.width == columns * (cell + 2) - 2
+            assert (grid.height, grid.width) == (layout.height, layout.width)

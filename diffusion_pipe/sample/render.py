@@ -8,8 +8,9 @@ gives the same starting noise at every step of a run, on any device.
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ import torch
 from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.params import SamplePrompt
+
+if TYPE_CHECKING:
+    from PIL.ImageFont import FreeTypeFont
 
 
 class SampleText(NamedTuple):
@@ -131,17 +135,171 @@ def _join(values: list, device: torch.device) -> object:
     return values[0]
 
 
-def grid(rows: list[list[np.ndarray]], gap: int = 2) -> np.ndarray:
-    """Images (H, W, 3) uint8 laid out in rows on a white background; cells take the largest size."""
-    height = max(img.shape[0] for row in rows for img in row)
-    width = max(img.shape[1] for row in rows for img in row)
-    columns = max(len(row) for row in rows)
-    out = np.full((len(rows) * (height + gap) - gap, columns * (width + gap) - gap, 3), 255, dtype=np.uint8)
-    for r, row in enumerate(rows):
-        for c, img in enumerate(row):
-            y, x = r * (height + gap), c * (width + gap)
-            out[y:y + img.shape[0], x:x + img.shape[1]] = img
-    return out
+class GridLayout(NamedTuple):
+    """Where `grid` puts everything, from the cells' sizes and the label texts alone (no pixels): the grid's
+    (height, width); the factor every image is scaled by (`up` nearest-neighbour, or `down` box-averaged; the
+    other is 1); the scaled cell size; each image's box (top, left, bottom, right), None for a missing cell; the
+    label strips' sizes; the font size and each label's lines as drawn (wrapped, the last one ending in an
+    ellipsis where the text does not fit)."""
+
+    height: int
+    width: int
+    up: int
+    down: int
+    cell_height: int
+    cell_width: int
+    cells: tuple[tuple[tuple[int, int, int, int] | None, ...], ...]
+    header_height: int
+    label_width: int
+    font_size: int
+    row_lines: tuple[tuple[str, ...], ...]
+    column_lines: tuple[tuple[str, ...], ...]
+
+
+_INK = (40, 40, 40)  # label text on the white background
+_ELLIPSIS = "\u2026"
+_HEADER_LINES = 3  # at most this many lines of a column label; a row label may fill its cell's height
+
+
+def grid_layout(shapes: Sequence[Sequence[tuple[int, int] | None]], row_labels: Sequence[str] = (),
+                column_labels: Sequence[str] = (), gap: int = 2, min_cell: int = 128,
+                max_cell: int = 512) -> GridLayout:
+    """The layout of `grid` for images of (height, width) `shapes`, a row of them per grid row (None: no image
+    there); see `grid` for the arguments. Pure: tests find cells and label strips with it."""
+    if row_labels and len(row_labels) != len(shapes):
+        raise ValueError(f"grid: {len(row_labels)} row labels for {len(shapes)} rows; give one per row")
+    columns = max((len(row) for row in shapes), default=0)
+    if column_labels and len(column_labels) != columns:
+        raise ValueError(f"grid: {len(column_labels)} column labels for {columns} columns; give one per column")
+    sizes = [s for row in shapes for s in row if s is not None]
+    if not sizes:
+        raise ValueError("grid: no images to lay out")
+    side = max(max(h, w) for h, w in sizes)
+    up = -(-min_cell // side) if side < min_cell else 1
+    down = -(-side // max_cell) if side > max_cell else 1
+    # sizes as `_scaled` makes them (Pillow's reduce rounds up)
+    scaled = [[None if s is None else (-(-s[0] * up // down), -(-s[1] * up // down)) for s in row] for row in shapes]
+    cell_h = max(s[0] for row in scaled for s in row if s is not None)
+    cell_w = max(s[1] for row in scaled for s in row if s is not None)
+
+    font_size = min(24, max(12, min(cell_h, cell_w) // 8))
+    font = _font(font_size)
+    line_h, pad = _line_height(font), font_size // 2
+    column_lines = tuple(tuple(_wrap(label, font, cell_w, _HEADER_LINES)) for label in column_labels)
+    header_h = (2 * pad + line_h * max(len(lines) for lines in column_lines)) if column_labels else 0
+    text_w = max(cell_w, 16 * font_size)  # about 32 characters a line
+    row_lines = tuple(tuple(_wrap(label, font, text_w, max(1, cell_h // line_h))) for label in row_labels)
+    widest = max((font.getlength(line) for lines in row_lines for line in lines), default=0.0)
+    label_w = 2 * pad + math.ceil(widest) if row_labels else 0
+
+    def box(r: int, c: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
+        """The image of size `size` centred in the cell of row `r`, column `c`."""
+        top = header_h + r * (cell_h + gap) + (cell_h - size[0]) // 2
+        left = label_w + c * (cell_w + gap) + (cell_w - size[1]) // 2
+        return top, left, top + size[0], left + size[1]
+
+    cells = tuple(tuple(None if s is None else box(r, c, s) for c, s in enumerate(row))
+                  for r, row in enumerate(scaled))
+    return GridLayout(header_h + len(shapes) * (cell_h + gap) - gap, label_w + columns * (cell_w + gap) - gap,
+                      up, down, cell_h, cell_w, cells, header_h, label_w, font_size, row_lines, column_lines)
+
+
+def grid(rows: Sequence[Sequence[np.ndarray | None]], row_labels: Sequence[str] = (),
+         column_labels: Sequence[str] = (), gap: int = 2, min_cell: int = 128, max_cell: int = 512) -> np.ndarray:
+    """Images (H, W, 3) uint8 laid out in rows on a white background, labelled: `column_labels` above the columns
+    (centred, wrapped to the cell's width, at most 3 lines) and `row_labels` left of the rows (wrapped to about 32
+    characters a line, as many lines as the cell is high); each label text shortened with an ellipsis where it
+    does not fit. No labels given: no strip. A cell takes the largest image's size and centres its image; a missing
+    image (None, or a short row) leaves its cell white.
+
+    So that pictures and text both read, every image is scaled by the same integer factor: grids of small renders
+    (largest side under `min_cell`, e.g. the tiny examples' 32 or 64 px) are scaled up nearest-neighbour, pixels
+    kept sharp, to at least `min_cell`; grids of large ones (over `max_cell`, e.g. 1024 px renders) are scaled
+    down, box-averaged, to at most `max_cell`, which keeps a grid of many steps a sensible size (each render is
+    also written whole beside it). The font size follows the cell size (12 to 24 px).
+
+    Pure and deterministic: equal images and labels give equal pixels. `grid_layout` tells where each cell is."""
+    from PIL import Image, ImageDraw
+
+    layout = grid_layout([[None if img is None else img.shape[:2] for img in row] for row in rows],
+                         row_labels, column_labels, gap, min_cell, max_cell)
+    out = np.full((layout.height, layout.width, 3), 255, dtype=np.uint8)
+    for row, boxes in zip(rows, layout.cells):
+        for img, box in zip(row, boxes):
+            if img is not None:
+                top, left, bottom, right = box
+                out[top:bottom, left:right] = _scaled(img, layout.up, layout.down)
+    if not (row_labels or column_labels):
+        return out
+
+    image = Image.fromarray(out)
+    draw = ImageDraw.Draw(image)
+    font = _font(layout.font_size)
+    line_h, pad = _line_height(font), layout.font_size // 2
+    gap_w, gap_h = layout.cell_width + gap, layout.cell_height + gap
+    for c, lines in enumerate(layout.column_lines):
+        x = layout.label_width + c * gap_w + layout.cell_width // 2
+        y = layout.header_height - pad - line_h * len(lines)  # the lines sit just above the cells
+        for i, line in enumerate(lines):
+            draw.text((x, y + i * line_h), line, font=font, fill=_INK, anchor="ma")
+    for r, lines in enumerate(layout.row_lines):
+        y = layout.header_height + r * gap_h + (layout.cell_height - line_h * len(lines)) // 2
+        for i, line in enumerate(lines):
+            draw.text((pad, y + i * line_h), line, font=font, fill=_INK, anchor="la")
+    return np.array(image)
+
+
+def _scaled(img: np.ndarray, up: int, down: int) -> np.ndarray:
+    """`img` scaled up `up` times nearest-neighbour, or down `down` times box-averaged (Pillow's `reduce`)."""
+    from PIL import Image
+
+    if up > 1:
+        return img.repeat(up, axis=0).repeat(up, axis=1)
+    if down > 1:
+        return np.asarray(Image.fromarray(img).reduce(down))
+    return img
+
+
+def _font(size: int) -> FreeTypeFont:
+    """Pillow's bundled font (in its wheel) at `size` px."""
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=size)
+
+
+def _line_height(font: FreeTypeFont) -> int:
+    """The distance between two lines of `font`'s text."""
+    ascent, descent = font.getmetrics()
+    return ascent + descent + 2
+
+
+def _wrap(text: str, font: FreeTypeFont, width: float, max_lines: int) -> list[str]:
+    """`text` in lines of at most `width` px, broken between words (a word wider than a line is cut), at most
+    `max_lines` of them: what does not fit is cut and the last line ends in an ellipsis."""
+    lines: list[str] = []
+    current = ""
+    for word in text.split():
+        candidate = f"{current} {word}" if current else word
+        if font.getlength(candidate) <= width:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        while len(word) > 1 and font.getlength(word) > width:
+            cut = len(word) - 1
+            while cut > 1 and font.getlength(word[:cut]) > width:
+                cut -= 1
+            lines.append(word[:cut])
+            word = word[cut:]
+        current = word
+    if current:
+        lines.append(current)
+    if len(lines) > max_lines:
+        last = lines[max_lines - 1]
+        while last and font.getlength(last + _ELLIPSIS) > width:
+            last = last[:-1]
+        lines = lines[:max_lines - 1] + [last.rstrip() + _ELLIPSIS]
+    return lines
 
 
 def png_bytes(image: np.ndarray) -> bytes:

@@ -22,7 +22,7 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
                 device_name: str = "auto") -> dict:
     """Render `train.samples.prompts` with the base model, then with the diffusers-format LoRA at `lora_path`
     loaded by `load_lora_weights` (a full fine-tune: the denoiser directory at `lora_path`, `load_trained`);
-    write `<i>-without.png`, `<i>-with.png` and `comparison.png` (one row per prompt: without | with) to
+    write `<i>-without.png`, `<i>-with.png` and `comparison.png` (a row per prompt: without | with, labelled) to
     `out_dir`, videos' mp4s to `video_dir`, and per prompt the mean absolute pixel difference to `report_path`.
     Returns the report. With no prompts, or no diffusers-format export, there is nothing to render: the outputs
     are written empty and the reason printed, so `dvc repro` goes on."""
@@ -73,11 +73,20 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     for row, prompt in zip(rows, prompts):  # an edit family's row starts with the image the prompt edits
         if prompt.control:
             row.insert(0, np.asarray(control_image(prompt.control, prompt.width, prompt.height)))
-    write_bytes_atomic(out_dir / "comparison.png", png_bytes(grid(rows)))
+    comparison = grid(rows, row_labels=[p.prompt for p in prompts],
+                      column_labels=comparison_columns(bool(prompts[0].control), full))
+    write_bytes_atomic(out_dir / "comparison.png", png_bytes(comparison))
     write_json_atomic(report_path, report)
     print(f"sample: {len(prompts)} prompts without and with {lora_path} -> {out_dir}/comparison.png; mean pixel "
           f"difference {np.mean([p['mean_abs_difference'] for p in report['prompts']]):.2f}/255", file=sys.stderr)
     return report
+
+
+def comparison_columns(control: bool, full: bool) -> tuple[str, ...]:
+    """The column labels of `comparison.png`: the image each prompt edits first where prompts have one (an edit
+    family's all do, another family's none), then the base model's render and the trained one's."""
+    trained = ("base model", "fine-tuned") if full else ("without LoRA", "with LoRA")
+    return ("control image", *trained) if control else trained
 
 
 def load_trained(pipe, adapter, path: Path, full: bool) -> None:

@@ -3,7 +3,8 @@ with the LoRA as it is then, through the family's own diffusers pipeline and sch
 
 Where they go: `runs/samples/<run id>/step<N>/<i>.png` (and `.mp4` for videos), one grid per step beside them
 (`step<N>.png`, prompts left to right) and in TensorBoard (`samples`); at the end the grids are copied to the
-train stage's `reports/samples/` (DVC image plots) with `progress.png`, one row per prompt across the steps.
+train stage's `reports/samples/` (DVC image plots) with `progress.png`, one row per prompt across the steps. Every
+grid is labelled: its prompts and its steps.
 
 Nothing extra sits on the device during training: prompts are text-store entries (encode embeds them like
 captions), and the VAE waits in CPU memory, visiting the device only while samples render. The denoiser is the
@@ -131,7 +132,8 @@ class TrainingSamples:
         step_dir = self.run_dir / f"step{step:06d}"
         for i, pixels in enumerate(rendered):
             write_media(step_dir / f"{i:02d}", pixels)
-        row = grid([[poster(p) for p in rendered]])
+        row = grid([[poster(p) for p in rendered]], row_labels=[f"step {step}"],
+                   column_labels=[p.prompt for p in self.prompts])
         write_bytes_atomic(self.run_dir / f"step{step:06d}.png", png_bytes(row))
         if self.writer is not None:
             self.writer.add_image("samples", row, step, dataformats="HWC")
@@ -145,10 +147,12 @@ class TrainingSamples:
         for step in steps:
             write_bytes_atomic(self.publish_dir / f"step{step:06d}.png",
                                (self.run_dir / f"step{step:06d}.png").read_bytes())
-        rows = [[np.asarray(Image.open(self.run_dir / f"step{step:06d}" / f"{i:02d}.png").convert("RGB"))
-                 for step in steps if (self.run_dir / f"step{step:06d}" / f"{i:02d}.png").is_file()]
-                for i in range(len(self.prompts))]
-        write_bytes_atomic(self.publish_dir / "progress.png", png_bytes(grid(rows)))
+        files = [[self.run_dir / f"step{step:06d}" / f"{i:02d}.png" for step in steps]
+                 for i in range(len(self.prompts))]
+        rows = [[np.asarray(Image.open(f).convert("RGB")) if f.is_file() else None for f in row] for row in files]
+        progress = grid(rows, row_labels=[p.prompt for p in self.prompts],
+                        column_labels=[f"step {step}" for step in steps])
+        write_bytes_atomic(self.publish_dir / "progress.png", png_bytes(progress))
 
 
 def remote_owners(adapter: Adapter, denoiser: nn.Module, num_stages: int, dp_world: int) -> dict[str, int]:

@@ -11,8 +11,8 @@ from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import SampleParams, TrainParams
 from diffusion_pipe.models.sdxl import SDXLAdapter
-from diffusion_pipe.sample.render import (check_prompt, encode_sample_texts, grid, png_bytes, prompt_texts,
-                                          render_prompts)
+from diffusion_pipe.sample.render import (check_prompt, encode_sample_texts, grid, grid_layout, png_bytes,
+                                          prompt_texts, render_prompts)
 from diffusion_pipe.train.samples import sample_steps
 from tests.sample.helpers import sample_params
 
@@ -77,12 +77,84 @@ def test_rendering_is_deterministic_and_each_prompt_keeps_its_seed(tiny_flux_dir
     assert np.abs(reseeded.astype(int) - first[0].astype(int)).mean() > 5
 
 
-def test_grid_lays_out_rows():
-    red, blue = np.zeros((4, 6, 3), np.uint8), np.full((4, 6, 3), 200, np.uint8)
-    out = grid([[red, blue], [blue]], gap=2)
-    assert out.shape == (10, 14, 3)
-    assert (out[:4, :6] == 0).all() and (out[:4, 8:] == 200).all() and (out[6:, :6] == 200).all()
-    assert (out[6:, 8:] == 255).all()  # a missing cell stays background
+def _cell(out: np.ndarray, box) -> np.ndarray:
+    top, left, bottom, right = box
+    return out[top:bottom, left:right]
+
+
+def test_grid_scales_small_renders_up_and_large_ones_down_into_their_cells():
+    rng = np.random.default_rng(0)
+    small = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(3)]
+    out = grid([small[:2], small[2:]], row_labels=["a", "b"], column_labels=["without LoRA", "with LoRA"])
+    layout = grid_layout([[(32, 32)] * 2, [(32, 32)]], ["a", "b"], ["without LoRA", "with LoRA"])
+    assert out.shape == (layout.height, layout.width, 3) and (layout.up, layout.down) == (4, 1)
+    for img, box in zip(small, (*layout.cells[0], layout.cells[1][0])):  # nearest-neighbour: pixels kept sharp
+        assert np.array_equal(_cell(out, box), img.repeat(4, axis=0).repeat(4, axis=1))
+    top, left = layout.cells[0][1][0], layout.cells[0][1][1]
+    assert (out[top + 130:top + 258, left:left + 128] == 255).all()  # a short row's missing cell stays white
+
+    large = rng.integers(0, 256, (1024, 768, 3), dtype=np.uint8)  # a real-size render: box-averaged to 512
+    out = grid([[large, None]], row_labels=["a"], column_labels=["step 0", "step 60"])
+    (box, missing), = grid_layout([[(1024, 768), None]], ["a"], ["step 0", "step 60"]).cells
+    assert missing is None and _cell(out, box).shape == (512, 384, 3)
+    assert np.array_equal(_cell(out, box), np.asarray(Image.fromarray(large).reduce(2)))
+
+
+def test_grid_labels_its_columns_above_and_its_rows_left_of_the_cells():
+    cells = [[np.zeros((32, 32, 3), np.uint8)] * 2] * 2
+    out = grid(cells, row_labels=["red", "blue"], column_labels=["step 0", "step 60"])
+    layout = grid_layout([[(32, 32)] * 2] * 2, ["red", "blue"], ["step 0", "step 60"])
+    header, labels = out[:layout.header_height], out[layout.header_height:, :layout.label_width]
+    assert layout.header_height >= 16 and layout.label_width >= 16
+    for c, box in enumerate(layout.cells[0]):  # text above each column, and nothing but text
+        above = header[:, box[1]:box[3]]
+        assert (above < 128).any() and (above.min(axis=-1) == above.max(axis=-1)).all()
+    for (top, _, bottom, _), _ in layout.cells:  # text left of each row
+        assert (labels[top - layout.header_height:bottom - layout.header_height] < 128).any()
+    assert (out[:layout.header_height, :layout.label_width] == 255).all()  # the corner stays blank
+
+    renamed = grid(cells, row_labels=["red", "bleu"], column_labels=["step 0", "step 90"])  # as wide as before
+    assert renamed.shape == out.shape
+    changed = np.argwhere((renamed != out).any(axis=-1))
+    assert len(changed)
+    second_row, second_column = layout.cells[1][0], layout.cells[0][1]
+    assert all((y >= second_row[0] and x < layout.label_width) or (y < layout.header_height and x >= second_column[1])
+               for y, x in changed)  # only the two labels that changed
+
+    bare = grid(cells)
+    assert bare.shape == (2 * 128 + 2, 2 * 128 + 2, 3) and (bare[:128, :128] == 0).all()  # no labels: no strips
+
+
+def test_long_labels_wrap_and_end_in_an_ellipsis():
+    prompt = ("a photo of sks dog on a beach in the evening light with waves and a boat far away, highly detailed, "
+              "35mm film, golden hour, shallow depth of field, " * 3)
+    layout = grid_layout([[(32, 32)] * 2], [prompt], [prompt, "with LoRA"])
+    (row,), (column, short) = layout.row_lines, layout.column_lines
+    assert 1 < len(row) <= layout.cell_height // 16 and len(column) == 3 and short == ("with LoRA",)
+    for lines in (row, column):
+        assert lines[-1].endswith("\u2026") and " ".join(lines)[:-1] in prompt
+    assert layout.label_width < 2 * layout.cell_width + 64  # wrapped, not one long line
+    word = grid_layout([[(32, 32)]], column_labels=["x" * 200]).column_lines[0]
+    assert len(word) == 3 and word[-1].endswith("\u2026")  # a word wider than the cell is cut
+
+
+def test_equal_inputs_give_equal_png_bytes():
+    rng = np.random.default_rng(1)
+    cells = [[rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(3)] for _ in range(2)]
+    labels = {"row_labels": ["a red circle", "a blue square"], "column_labels": ["step 0", "step 2", "step 4"]}
+    first = png_bytes(grid(cells, **labels))
+    assert png_bytes(grid([[c.copy() for c in row] for row in cells], **labels)) == first
+    assert png_bytes(grid(cells, **labels | {"row_labels": ["a red circle", "a blue circle"]})) != first
+
+
+def test_labels_must_match_the_rows_and_columns():
+    cells = [[np.zeros((8, 8, 3), np.uint8)] * 2]
+    with pytest.raises(ValueError, match=r"grid: 2 row labels for 1 rows; give one per row"):
+        grid(cells, row_labels=["a", "b"])
+    with pytest.raises(ValueError, match=r"grid: 1 column labels for 2 columns; give one per column"):
+        grid(cells, column_labels=["step 0"])
+    with pytest.raises(ValueError, match=r"grid: no images to lay out"):
+        grid([[None]])
 
 
 def test_a_video_sample_writes_its_middle_frame_and_an_mp4(tmp_path):

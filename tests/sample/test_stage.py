@@ -15,7 +15,8 @@ from torch import nn
 from diffusion_pipe.config import from_dict
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import Params
-from diffusion_pipe.sample.stage import sample_lora
+from diffusion_pipe.sample.render import grid_layout
+from diffusion_pipe.sample.stage import comparison_columns, sample_lora
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.lora import lora_state_dict
 from diffusion_pipe.train.pipeline import Dist
@@ -52,7 +53,15 @@ def test_sample_stage_renders_the_exported_lora_as_training_did(tiny_flux_dir, t
                                                      "01-without.png", "comparison.png"]
     assert json.loads((tmp_path / "reports" / "sample.json").read_text()) == report
     assert all(p["mean_abs_difference"] > 2 for p in report["prompts"])  # the file loaded and changed the output
-    assert _pixels(out / "comparison.png").shape == (2 * 32 + 2, 2 * 32 + 2, 3)
+    # a row per prompt, without | with, labelled: each cell is its file scaled up 4 times (32 px to 128)
+    comparison = _pixels(out / "comparison.png")
+    layout = grid_layout([[(32, 32)] * 2] * 2, [p["prompt"] for p in SAMPLES["prompts"]],
+                         comparison_columns(control=False, full=False))
+    assert comparison.shape == (layout.height, layout.width, 3) and layout.up == 4
+    for i, boxes in enumerate(layout.cells):
+        for tag, (top, left, bottom, right) in zip(("without", "with"), boxes):
+            assert np.array_equal(comparison[top:bottom, left:right],
+                                  _pixels(out / f"{i:02d}-{tag}.png").repeat(4, axis=0).repeat(4, axis=1))
 
     # Training's renderer, on the LoRA still in memory: the same pictures as the exported file loaded by diffusers.
     store = Store(tmp_path / "store")

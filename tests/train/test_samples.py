@@ -11,6 +11,7 @@ from torch import nn
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.sample.render import grid_layout
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.pipeline import Dist
 from diffusion_pipe.train.samples import TrainingSamples
@@ -60,7 +61,17 @@ def test_samples_at_step_0_and_the_end_show_the_lora_learn(tiny_flux_dir, tmp_pa
     assert np.array_equal(start, middle)  # same seed, LoRA unchanged (B = 0): the very same image
     assert np.abs(end - start).mean() > 2  # the LoRA changed: same noise, a different picture
     assert np.array_equal(end, _pixels(tmp_path / "plain" / "step000004" / "00.png"))
-    assert _pixels(publish / "progress.png").shape == (2 * 32 + 2, 3 * 32 + 4, 3)  # a row per prompt, a column per step
+    # a row per prompt, a column per step, labelled; each cell is its step's file scaled up 4 times (32 px to 128)
+    progress = _pixels(publish / "progress.png")
+    layout = grid_layout([[(32, 32)] * 3] * 2, [p.prompt for p in sample_params().resolved()],
+                         ["step 0", "step 2", "step 4"])
+    assert progress.shape == (layout.height, layout.width, 3)
+    for i, boxes in enumerate(layout.cells):
+        for step, (top, left, bottom, right) in zip((0, 2, 4), boxes):
+            assert np.array_equal(progress[top:bottom, left:right],
+                                  _pixels(run_dir / f"step00000{step}" / f"{i:02d}.png").repeat(4, 0).repeat(4, 1))
+    step_grid = grid_layout([[(32, 32)] * 2], ["step 4"], [p.prompt for p in sample_params().resolved()])
+    assert _pixels(publish / "step000004.png").shape == (step_grid.height, step_grid.width, 3)
     assert samples.seconds > 0
 
 
