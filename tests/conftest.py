@@ -74,13 +74,18 @@ def make_pipeline_repo(dest: Path, store: Path, params_edits: dict[str, str] | N
     return dest
 
 
+def run_stages(repo: Path, store: Path, stages: tuple[str, ...] = ("scan", "encode")) -> None:
+    """Run each stage of `stages` as its plain command (`python -m stages.NAME`) in `repo`, with `store`."""
+    for stage in stages:
+        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+
+
 def train_example(tmp_path: Path, params_edits: dict[str, str], dvc: bool = True) -> tuple[Path, dict, list[dict]]:
     """The bundled example with `params_edits`, through scan, encode and train as plain stage commands: its repo,
     the train report and the loss plot's rows."""
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store, params_edits, dvc=dvc)
-    for stage in ("scan", "encode", "train"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store, ("scan", "encode", "train"))
     with open(repo / "reports/train_loss.csv") as fh:
         rows = list(csv.DictReader(fh))
     return repo, json.loads((repo / "reports/train.json").read_text()), rows

@@ -18,7 +18,7 @@ from diffusion_pipe.params import TrainParams, load_params
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.caption_dropout import CaptionDropout, empty_caption_key
 from diffusion_pipe.train.data import DataError, MicroBatches, read_rows
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,7 @@ def encoded(tmp_path_factory):
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, None, dvc=False)  # the bundled params: caption_dropout 0.0
     reports = {}
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     reports[0.0] = json.loads((repo / "reports/encode.json").read_text())
     params = (repo / "params.yaml").read_text()
     (repo / "params.yaml").write_text(params.replace("caption_dropout: 0.0", "caption_dropout: 0.5"))

@@ -19,7 +19,7 @@ import torch
 from diffusion_pipe.fileio import WriteError, naming_write_errors
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
-from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
+from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env, run_stages
 
 STEPS = 12
 PARAMS = {"steps: 120": f"steps: {STEPS}",
@@ -31,8 +31,7 @@ def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoint")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return repo, store
 
 

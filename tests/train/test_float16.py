@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_env, train_example
+from tests.conftest import run_env, run_stages, train_example
 
 F16_EDITS = {"dtype: float32": "dtype: float16", "steps: 120": "steps: 24", "eval_every_steps: 40": "eval_every_steps: 0"}
 
@@ -40,8 +40,7 @@ def test_float16_unsupported_is_a_param_error(tmp_path):
 
     store = tmp_path / "store"
     repo = make_pipeline_repo(tmp_path / "repo", store, F16_EDITS, dvc=False)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     out = subprocess.run([sys.executable, "-m", "stages.train"], cwd=repo, env=run_env(store), capture_output=True,
                          text=True, timeout=600)
     assert out.returncode != 0

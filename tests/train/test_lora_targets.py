@@ -12,7 +12,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.train.build import build_local_model
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 # Not the Flux defaults: to_k, to_v, add_*_proj, to_out.0, proj_mlp, ff.net.0.proj, ff_context.* are left out.
 CUSTOM = ("to_q", "ff.net.2", "proj_out")
@@ -123,8 +123,7 @@ def test_trained_lora_holds_exactly_the_custom_targets(pipeline_repo, tmp_path):
     from safetensors import safe_open
 
     repo, store = pipeline_repo
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     params = with_targets(repo, list(CUSTOM), "custom")
     run_checked([sys.executable, "-m", "stages.train", "--params", str(params), "--runs", str(tmp_path / "runs"),
                  "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json"),

@@ -10,7 +10,7 @@ import pytest
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.params import TrainParams, load_params
 from diffusion_pipe.train.loop import schedule_warnings
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 
 def test_warmup_at_least_steps_is_warned_about():
@@ -59,8 +59,7 @@ def test_train_stage_warns_and_shows_eval_progress(tmp_path):
     edits = {"steps: 120": "steps: 4", "eval_every_steps: 40": "eval_every_steps: 2"}
     repo = make_pipeline_repo(tmp_path / "repo", store, edits, dvc=False)
     env = run_env(store)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=env)
+    run_stages(repo, store)
     err = run_checked([sys.executable, "-m", "stages.train"], cwd=repo, env=env).stderr
     assert "train: warning: train.warmup_steps (10) >= train.steps (4)" in err
     for step in (0, 2, 4):  # at the start, every eval_every_steps, and the end

@@ -13,7 +13,7 @@ import torch
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.train.pipeline import process_placement
-from tests.conftest import free_port, make_pipeline_repo, run_checked, run_env, torchrun
+from tests.conftest import free_port, make_pipeline_repo, run_checked, run_env, run_stages, torchrun
 
 EDITS = {"steps: 120": "steps: 3", "eval_every_steps: 40": "eval_every_steps: 0",
          "pipeline_stages: 1": "pipeline_stages: 2"}
@@ -25,8 +25,7 @@ def encoded(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("multinode")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, EDITS, dvc=False)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return repo, store
 
 

@@ -22,7 +22,7 @@ from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyAr
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available)
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 CPU = torch.device("cpu")
 # what runs here: bitsandbytes' adamw8bit needs a CUDA GPU
@@ -286,8 +286,7 @@ def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("optimizers")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return repo, store
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env
+from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env, run_stages
 
 
 def _encoded_repo(tmp_path: Path, params_file: Path | None = None) -> tuple[Path, Path]:
@@ -20,8 +20,7 @@ def _encoded_repo(tmp_path: Path, params_file: Path | None = None) -> tuple[Path
     repo = make_pipeline_repo(tmp_path / "repo", store, dvc=False)
     if params_file is not None:
         shutil.copy(params_file, repo / "params.yaml")
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return repo, store
 
 
@@ -80,8 +79,7 @@ def test_a_datasets_loss_weight_scales_its_samples_loss(tmp_path):
     _, plain = _train(repo, store, "plain", quiet)
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("eval_fraction: 0.15", "eval_fraction: 0.15\n      loss_weight: 3"))
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     encode = json.loads((repo / "reports/encode.json").read_text())
     assert encode["latent"]["computed"] == encode["text"]["computed"] == 0
     assert {r["loss_weight"] for r in pq.read_table(repo / "data/encoded.parquet").to_pylist()} == {3.0}

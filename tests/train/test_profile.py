@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 
 @pytest.mark.slow  # scan, encode and a 7-step train run: about 30 s on 2 shared cores
@@ -18,8 +18,7 @@ def test_the_profile_covers_steps_4_to_6_with_engine_instructions_annotated(tmp_
     repo = make_pipeline_repo(tmp_path / "repo", store, {"steps: 120": "steps: 7",
                                                          "eval_every_steps: 40": "eval_every_steps: 0"}, dvc=False)
     env = run_env(store)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=env)
+    run_stages(repo, store)
     run_checked([sys.executable, "-m", "stages.train"], cwd=repo, env=env | {"DIFFUSION_PIPE_PROFILE": "prof.txt"})
     table = (repo / "prof.txt").read_text()
     assert "train.step4" in table and "pipe.ForwardPass" in table and "aten::mm" in table

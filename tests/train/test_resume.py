@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 STEPS = 30
 # LoRA dropout on: the RNG state must resume too; caption dropout on: the same samples must drop after a resume
@@ -27,8 +27,7 @@ def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, PARAMS)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return repo, store
 
 

@@ -22,7 +22,7 @@ import pytest
 from diffusion_pipe.params import TrainParams
 from diffusion_pipe.train.data import DataError, Row, steps_for_epochs
 from diffusion_pipe.train.loop import lr_lambda
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 
 def expected_factor(kind: str, step: int, steps: int, warmup: int) -> float:
@@ -152,8 +152,7 @@ def accumulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("accumulation")
     store = root / "store"
     repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     runs = root / "runs"
     run_checked(train_cmd(runs), cwd=repo, env=run_env(store))
     (run_dir,) = (runs / "checkpoints").iterdir()

@@ -14,15 +14,14 @@ from diffusion_pipe.models import load_adapter
 from diffusion_pipe.params import load_params
 from diffusion_pipe.store import Store
 from diffusion_pipe.train.data import DataError, MicroBatches, check_entries, read_rows, training_text_keys
-from tests.conftest import make_pipeline_repo, run_checked, run_env
+from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
 
 # The bundled captions read "a red circle on a white background": split at " on ", each has two orders.
 SHUFFLE = {"eval_fraction: 0.15": "eval_fraction: 0.15\n      shuffle_tags: 4\n      tag_separator: ' on '"}
 
 
 def _encode(repo, store) -> dict:
-    for stage in ("scan", "encode"):
-        run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
+    run_stages(repo, store)
     return json.loads((repo / "reports/encode.json").read_text())
 
 
