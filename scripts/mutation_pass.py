@@ -169,7 +169,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("train-alpha-metadata", LOOP, '"lora_alpha": str(train.lora_alpha),',
              '"lora_alpha": str(train.lora_rank),', ("tests/export/test_export_stage.py",),
              "the trained LoRA records rank as its alpha"),
-    Mutation("export-comfyui-alpha", "diffusion_pipe/export/keys.py",
+    Mutation("export-comfyui-alpha", "diffusion_pipe/lora_keys.py",
              'f"{prefix}.alpha": torch.tensor(float(a.shape[0]))',
              'f"{prefix}.alpha": torch.tensor(float(2 * a.shape[0]))', ("tests/export/test_export_stage.py",),
              "ComfyUI files carry an .alpha other than the rank"),

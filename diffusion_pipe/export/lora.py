@@ -14,6 +14,7 @@ from diffusion_pipe.errors import UserError
 from diffusion_pipe.fileio import json_bytes, naming_write_errors, published_together
 from diffusion_pipe.hashing import hash_bytes, hash_file
 from diffusion_pipe.lineage.record import METADATA_KEY, export_lineage, lineage_metadata, trained_params_drift
+from diffusion_pipe.lora_keys import fold_scale
 from diffusion_pipe.models import load_adapter
 from diffusion_pipe.params import Params
 from diffusion_pipe.tensorfile import save_deterministic
@@ -23,13 +24,6 @@ def read_trained_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     """The PEFT-named tensors and the metadata of the train stage's `lora.safetensors`."""
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-
-
-def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """Fold the LoRA scale alpha/rank into lora_B, so every loader applies the trained strength at scale 1
-    whether or not it reads alpha."""
-    scale = alpha / rank
-    return {k: (v * scale if ".lora_B." in k else v).contiguous() for k, v in lora.items()}
 
 
 def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, encoded: Path, train_report: Path,

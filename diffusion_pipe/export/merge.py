@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffusion_pipe.export.keys import lora_modules
+from diffusion_pipe.lora_keys import lora_modules
 from diffusion_pipe.lineage.record import lineage_metadata, stamp_safetensors
 from diffusion_pipe.fileio import fsync_dir, write_json_atomic
 from diffusion_pipe.hashing import hash_file

@@ -271,7 +271,7 @@ def comfyui_lora(lora: TensorDict) -> TensorDict:
     """The LoRA under the original AuraFlow names, `diffusion_model.`-prefixed (the generic keys of ComfyUI's
     comfy/lora.py `model_lora_keys_unet`), as `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled).
     AuraFlow keeps q, k and v apart, so nothing is fused."""
-    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, lora_modules
 
     out: TensorDict = {}
     for module, (a, b) in lora_modules(lora).items():

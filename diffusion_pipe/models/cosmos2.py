@@ -279,7 +279,7 @@ def cosmos_original_name(name: str) -> str:
 def comfyui_lora(lora: TensorDict) -> TensorDict:
     """The LoRA under ComfyUI's Cosmos-Predict2 names, `diffusion_model.`-prefixed, as `lora_down`/`lora_up` with
     `.alpha` = rank (lora_B is pre-scaled, so scale 1): the generic keys of comfy/lora.py `model_lora_keys_unet`."""
-    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, lora_modules
 
     out: TensorDict = {}
     for module, (a, b) in lora_modules(lora).items():

@@ -286,7 +286,7 @@ def comfyui_lora(lora: TensorDict, inner_dim: int, mlp_dim: int) -> TensorDict:
     LoRA each, exactly: A = cat(A_i), B = block_diag(B_i), zero rows for untrained parts. `inner_dim` and
     `mlp_dim` are the widths of those parts (needed when a part has no LoRA).
     """
-    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, fuse_loras, lora_modules
 
     groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, pair in lora_modules(lora).items():

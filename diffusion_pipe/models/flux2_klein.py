@@ -334,7 +334,7 @@ def comfyui_lora(lora: TensorDict, inner_dim: int) -> TensorDict:
     """The LoRA under BFL's Flux.2 names, `diffusion_model.`-prefixed (the generic keys of ComfyUI's comfy/lora.py
     `model_lora_keys_unet`), as `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled): q/k/v fused
     exactly into one LoRA per qkv, the final modulation's (scale, shift) halves swapped to BFL's (shift, scale)."""
-    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, fuse_loras, lora_modules
 
     groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, pair in lora_modules(lora).items():

@@ -380,7 +380,7 @@ def comfyui_lora(lora: TensorDict, inner_dim: int) -> TensorDict:
     """The LoRA under Ideogram 4's original names, `diffusion_model.`-prefixed (the generic keys of ComfyUI's
     comfy/lora.py `model_lora_keys_unet` for its Ideogram 4 model, and what Ideogram4Pipeline's loader converts), as
     `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled): q/k/v fused exactly into one LoRA per qkv."""
-    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, fuse_loras, lora_modules
 
     groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, pair in lora_modules(lora).items():

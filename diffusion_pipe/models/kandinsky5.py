@@ -439,7 +439,7 @@ def comfyui_lora(lora: TensorDict) -> TensorDict:
     """The LoRA under ComfyUI's Kandinsky 5 names, which are diffusers' own (comfy/ldm/kandinsky5/model.py names
     its modules as the original model and diffusers do), `diffusion_model.`-prefixed, as `lora_down`/`lora_up` with
     `.alpha` = rank (lora_B is pre-scaled, so scale 1): the generic keys of comfy/lora.py `model_lora_keys_unet`."""
-    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, lora_modules
 
     out: TensorDict = {}
     for module, (a, b) in lora_modules(lora).items():

@@ -513,7 +513,7 @@ def comfyui_lora(lora: TensorDict) -> TensorDict:
     `diffusion_model.<original module>.lora_A.weight` / `.lora_B.weight` (comfy/lora.py's generic
     `diffusion_model.` keys; it reads lora_A/lora_B as down/up) without `.alpha`, so both ComfyUI and diffusers'
     LTX-2 loader (which refuses `.alpha`) apply it at scale 1, as lora_B is pre-scaled."""
-    from diffusion_pipe.export.keys import lora_modules
+    from diffusion_pipe.lora_keys import lora_modules
 
     out: TensorDict = {}
     for module, (a, b) in lora_modules(lora).items():

@@ -567,7 +567,7 @@ def comfyui_lora(lora: TensorDict) -> TensorDict:
     = rank (lora_B is pre-scaled, so scale 1). A block's q/k/v LoRAs become one LoRA of its fused `qkv_proj`: the
     downs stacked, the ups block-diagonal in `[q; k; v]` order (a projection without a LoRA gets zero rows); the
     feed-forward input's up has its halves swapped to the original `[gate; value]` order."""
-    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, lora_modules
 
     modules = lora_modules(lora)
     out: TensorDict = {}

@@ -292,7 +292,7 @@ def comfyui_lora(lora: TensorDict) -> TensorDict:
     """The LoRA under ComfyUI's Qwen-Image names, which are diffusers' own (comfy/ldm/qwen_image/model.py keeps
     them), `diffusion_model.`-prefixed, as `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled, so
     scale 1): the generic `diffusion_model.<module>` keys of ComfyUI's comfy/lora.py `model_lora_keys_unet`."""
-    from diffusion_pipe.export.keys import down_up_alpha, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, lora_modules
 
     out: TensorDict = {}
     for module, (a, b) in lora_modules(lora).items():

@@ -411,7 +411,7 @@ def comfyui_lora(lora: TensorDict, config: dict) -> TensorDict:
     `.alpha` = rank (lora_B is pre-scaled): diffusers' names, but for each block's SwiGLU, whose gate and up
     projections ComfyUI's checkpoint fuses into one `img_mlp.gate_up` (gate rows first, the layout diffusers'
     `convert_qwen_image21_transformer_checkpoint_to_diffusers` splits), which gets one exactly fused LoRA."""
-    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, fuse_loras, lora_modules
 
     hidden = config["num_attention_heads"] * config["attention_head_dim"] * config["mlp_ratio"]
     groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -307,7 +307,7 @@ def comfyui_lora(lora: TensorDict, inner_dim: int, num_layers: int) -> TensorDic
     """The LoRA under the original MMDiT names, `diffusion_model.`-prefixed (the generic keys of ComfyUI's
     comfy/lora.py `model_lora_keys_unet`), as `lora_down`/`lora_up` with `.alpha` = rank (lora_B is pre-scaled).
     q/k/v go into one exact fused LoRA per qkv projection (zero rows for parts without one)."""
-    from diffusion_pipe.export.keys import down_up_alpha, fuse_loras, lora_modules
+    from diffusion_pipe.lora_keys import down_up_alpha, fuse_loras, lora_modules
 
     groups: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, pair in lora_modules(lora).items():

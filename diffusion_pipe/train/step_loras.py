@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.export.lora import fold_scale
+from diffusion_pipe.lora_keys import fold_scale
 from diffusion_pipe.fileio import write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.tensorfile import save_deterministic

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffusion_pipe.export.keys import fuse_loras, lora_modules
+from diffusion_pipe.lora_keys import fuse_loras, lora_modules
 from diffusion_pipe.models.flux import FluxAdapter, original_flux_state_dict
 
 INNER, MLP = 32, 128  # the tiny model's widths: 2 heads x 16, mlp_ratio 4

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.lineage.record import METADATA_KEY, read_lineage
-from diffusion_pipe.export.lora import fold_scale
+from diffusion_pipe.lora_keys import fold_scale
 from diffusion_pipe.export.merge import merge_lora_into, write_merged
 from diffusion_pipe.models.flux import FluxAdapter
 from diffusion_pipe.params import ExportParams

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from diffusion_pipe.export.keys import lora_modules
+from diffusion_pipe.lora_keys import lora_modules
 from diffusion_pipe.models.base import Adapter
 
 StateDict = dict[str, torch.Tensor]

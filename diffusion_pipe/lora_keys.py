@@ -1,4 +1,5 @@
-"""Pure helpers for LoRA key mapping, shared by every family's `export_lora`.
+"""Pure helpers for LoRA tensors and key mapping, shared by every family's `export_lora` (adapters), export and
+the LoRAs train writes along the way: a floor below all of them.
 
 Input is always a PEFT-named LoRA (`<module>.lora_A.weight`, `<module>.lora_B.weight`) with the alpha/rank scale
 already folded into lora_B, so every output applies at scale 1: where a format carries `.alpha`, it is the
@@ -83,3 +84,10 @@ def kohya_name(module: str, prefix: str = "lora_unet") -> str:
     'down_blocks.1.attentions.0.proj_in' -> 'lora_unet_down_blocks_1_attentions_0_proj_in'. Use the module
     names the target loader maps (ComfyUI maps kohya names of diffusers UNet modules onto its own SDXL model)."""
     return f"{prefix}_{module.replace('.', '_')}"
+
+
+def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """Fold the LoRA scale alpha/rank into lora_B, so every loader applies the trained strength at scale 1
+    whether or not it reads alpha."""
+    scale = alpha / rank
+    return {k: (v * scale if ".lora_B." in k else v).contiguous() for k, v in lora.items()}
