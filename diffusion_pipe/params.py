@@ -401,6 +401,8 @@ class TrainParams:
         "checkpoint_every_steps": _AT_LEAST_0, "checkpoint_every_minutes": _AT_LEAST_0, "keep_checkpoints": _AT_LEAST_0,
         "eval_every_steps": _AT_LEAST_0, "eval_timesteps": Range(0, 1),  # a fraction of the noise schedule
         "save_lora_every_steps": _AT_LEAST_0, "caption_dropout": Range(0, 1),
+        # where the Huber losses turn from quadratic to linear, in units of the target (unit-variance latents)
+        "huber_c": Range(0, 100, lo_open=True), "timestep_range": Range(0, 1),
     }
 
     seed: int = 0
@@ -430,6 +432,13 @@ class TrainParams:
     epochs: int = 0  # > 0: train this many passes over the train split; `steps` is then computed, not read
     noise_offset: float = 0.0  # add this x a per-channel constant to the noise (0.05-0.1 helps learn brightness)
     min_snr_gamma: float = 0.0  # > 0: min-SNR-gamma loss weighting (epsilon / v families; 5 is usual)
+    # the training loss of each element's error d (eval always measures MSE): "mse" d^2; "huber" d^2 up to
+    # |d| = huber_c, then linear; "pseudo_huber" its smooth form 2 c (sqrt(d^2 + c^2) - c). Loss weights apply to all
+    loss: Literal["mse", "huber", "pseudo_huber"] = "mse"
+    huber_c: float = 0.1  # the Huber losses' threshold c (loss: huber or pseudo_huber only)
+    # [min, max]: training timesteps are drawn only in this part of the noise schedule (0 clean, 1 pure noise), for
+    # every timestep_sampling, after flow_shift; eval timesteps are not affected
+    timestep_range: tuple[float, float] = (0.0, 1.0)
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
     # With activation_checkpointing: the share of each stage's layers that recompute their activations in
@@ -492,12 +501,23 @@ class TrainParams:
             raise ValueError(f"adapter is 'full', which trains every weight; blocks_to_swap (which keeps frozen "
                              f"weights in CPU memory) and save_lora_every_steps (LoRA files) need adapter: lora; "
                              f"set them to 0 (they are {self.blocks_to_swap} and {self.save_lora_every_steps})")
+        self._check_loss_and_timesteps()
         if self.activation_checkpointing_keep and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_keep is {self.activation_checkpointing_keep!r}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop it)")
         if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")
+
+    def _check_loss_and_timesteps(self) -> None:
+        if self.loss == "mse" and self.huber_c != 0.1:
+            raise ValueError(f"huber_c is {self.huber_c:g}, but loss is 'mse', which does not read it; set loss: "
+                             "huber or pseudo_huber (or drop huber_c)")
+        if self.huber_c <= 0:
+            raise ValueError(f"huber_c must be > 0, got {self.huber_c:g}")
+        if len(self.timestep_range) != 2 or not 0 <= self.timestep_range[0] < self.timestep_range[1] <= 1:
+            raise ValueError(f"timestep_range must be [min, max] with 0 <= min < max <= 1, got "
+                             f"{list(self.timestep_range)}")
 
     def _check_optimizer(self) -> None:
         """Read `optimizer_args` into the chosen optimizer's args class, and refuse what that optimizer cannot do."""

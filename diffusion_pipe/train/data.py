@@ -27,7 +27,7 @@ from diffusion_pipe.store import Store
 from diffusion_pipe.store.pack import REPAIR_HINT
 from diffusion_pipe.train.objectives import (DDPM_OBJECTIVES, Noised, ddpm_alphas_cumprod, flow_matching,
                                              min_snr_weights, offset_noise, quantile_to_discrete,
-                                             sample_discrete_timesteps, sample_timesteps)
+                                             sample_discrete_timesteps, sample_timesteps, within)
 
 if TYPE_CHECKING:
     from diffusion_pipe.train.caption_dropout import CaptionDropout
@@ -128,12 +128,14 @@ def epoch_order(rows: list[Row], micro_batch_size: int, seed: int, epoch: int) -
 
 
 def noise_latents(adapter: Adapter, latents: torch.Tensor, noise: torch.Tensor, quantiles: torch.Tensor | None,
-                  sampling: str, shift: float, generator: torch.Generator) -> Noised:
-    """Noise `latents` by the adapter's objective: at timesteps drawn by `sampling` (train), or at `quantiles`
-    of the schedule (eval), both within the adapter's `timestep_range` (all of it but for Wan 2.2's experts).
+                  sampling: str, shift: float, generator: torch.Generator,
+                  train_range: tuple[float, float] = (0.0, 1.0)) -> Noised:
+    """Noise `latents` by the adapter's objective: at timesteps drawn by `sampling` (train) within the
+    `train_range` part (train.timestep_range) of the adapter's `timestep_range` (all of it but for Wan 2.2's
+    experts), or at `quantiles` of the adapter's range (eval; `train_range` does not apply).
     The one place the objective is chosen; `shift` applies to flow matching only."""
     objective = adapter.objective()
-    lo, hi = adapter.timestep_range()
+    lo, hi = adapter.timestep_range() if quantiles is not None else within(adapter.timestep_range(), train_range)
     if objective == "flow":
         t = sample_timesteps(len(latents), sampling, shift, generator) if quantiles is None else quantiles.float()
         return flow_matching(latents, noise, lo + (hi - lo) * t)
@@ -166,12 +168,13 @@ class MicroBatches:
     def __init__(self, rows: list[Row], store: Store, adapter: Adapter, *, micro_batch_size: int, seed: int,
                  dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
                  noise_offset: float = 0.0, min_snr_gamma: float = 0.0,
-                 caption_dropout: CaptionDropout | None = None) -> None:
+                 caption_dropout: CaptionDropout | None = None,
+                 timestep_range: tuple[float, float] = (0.0, 1.0)) -> None:
         self.rows, self.store, self.adapter = rows, store, adapter
         self.caption_dropout = caption_dropout  # train/caption_dropout.py; training batches only, never eval
         self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
         self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
-        self.noise_offset, self.min_snr_gamma = noise_offset, min_snr_gamma
+        self.noise_offset, self.min_snr_gamma, self.timestep_range = noise_offset, min_snr_gamma, timestep_range
         if min_snr_gamma and adapter.objective() not in DDPM_OBJECTIVES:
             raise DataError(f"train.min_snr_gamma: applies to epsilon and v prediction, but model family "
                             f"'{adapter.name}' trains with {adapter.objective()!r}; set it to 0")
@@ -222,7 +225,8 @@ class MicroBatches:
         batch = self.load(indices, text_keys)
         latents = batch.latents
         noise = self.draw_noise(latents.shape, generator, offset=timesteps is None)
-        noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator)
+        noised = noise_latents(self.adapter, latents, noise, timesteps, self.sampling, self.shift, generator,
+                               self.timestep_range)
         noisy, target = self.adapter.keep_clean(noised.noisy, noised.target, latents)
         inputs = self.adapter.conditioned_inputs(noisy, noised.timesteps, batch.text, self.guidance,
                                                  batch.conditioning)

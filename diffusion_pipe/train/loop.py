@@ -37,7 +37,7 @@ from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.guards import diverged, step_is_finite
 from diffusion_pipe.train.lora import gather_lora
-from diffusion_pipe.train.objectives import mse_loss
+from diffusion_pipe.train.objectives import TrainingLoss
 from diffusion_pipe.train.optim import LossScaler, build_optimizer, check_optimizer_available
 from diffusion_pipe.train.samples import TrainingSamples
 from diffusion_pipe.train.step_loras import StepLoras
@@ -94,6 +94,11 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
     }
 
 
+# Train params added after runs existed that are left out of the run identity at these (their default) values, so
+# that a run from before them still resumes; any other value is another run.
+RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0)}
+
+
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
                  world: int) -> dict:
     """What defines a run; its hash names the run's checkpoint directory. How often checkpoints are written and
@@ -104,7 +109,9 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                "save_lora_every_steps", "swap_prefetch", "attention")
     # today's optimizer is the one of every run from before train.optimizer existed, whose identity lacks the keys
     default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()
-    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer}
+    # likewise the loss and schedule options of issue 36, at their defaults (today's training)
+    default_recipe = tuple(k for k, v in RECIPE_DEFAULTS.items() if getattr(train, k) == v)
+    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer + default_recipe}
     return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
             "text_max_length": text_max_length, "layout": {"processes": world,
                                                            "pipeline_stages": train.pipeline_stages}}
@@ -166,10 +173,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
+    objective_loss = TrainingLoss(train.loss, train.huber_c)  # MSE while evaluating
 
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         weights = labels[1] if len(labels) > 1 else None  # min-SNR weighting
-        loss = mse_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0], weights)
+        loss = objective_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0], weights)
         return loss * scaler.scale if scaler.enabled else loss
 
     if dist.device.type == "cuda" and train.max_gpu_memory_gb:
@@ -213,7 +221,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
         guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma,
-        caption_dropout=caption_dropout), dist.device, position=state["position"])
+        caption_dropout=caption_dropout, timestep_range=train.timestep_range), dist.device, position=state["position"])
 
     def evaluate(step: int) -> None:
         if not eval_rows or any(e["step"] == step for e in state["evals"]):
@@ -221,7 +229,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         per_t = {}
         with tqdm(total=len(train.eval_timesteps) * len(eval_rows), desc=f"eval at step {step}", unit="sample",
                   file=sys.stderr, disable=not is_reporter, leave=False) as progress:
-            with optimizer.eval_weights():
+            with optimizer.eval_weights(), objective_loss.evaluating():
                 for t in train.eval_timesteps:
                     batches = eval_batches(eval_rows, store, adapter, train, t)
                     per_t[f"{t:g}"] = _mean_eval_loss(engine, batches, progress) / scaler.scale

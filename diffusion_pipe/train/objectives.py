@@ -12,7 +12,9 @@ on [0, 1) and mapped onto the N discrete steps; `flow_shift` does not apply.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -132,3 +134,63 @@ def mse_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tens
         return torch.nn.functional.mse_loss(prediction.float(), target.float())
     per_sample = (prediction.float() - target.float()).square().flatten(1).mean(1)
     return (per_sample * weights.float()).mean()
+
+
+LOSSES = ("mse", "huber", "pseudo_huber")
+
+
+def elementwise_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str, huber_c: float) -> torch.Tensor:
+    """The error of each element in float32 by `kind` ('mse' | 'huber' | 'pseudo_huber'). Both Huber losses are
+    scaled to equal the squared error for errors well below `huber_c` (so a learning rate tuned on MSE carries
+    over) and grow linearly, with slope 2 huber_c, past it: huber is 2 x torch's huber_loss(delta=huber_c), and
+    pseudo_huber its smooth form 2 c (sqrt(d^2 + c^2) - c)."""
+    error = prediction.float() - target.float()
+    if kind == "mse":
+        return error.square()
+    if kind == "huber":
+        return 2 * torch.nn.functional.huber_loss(error, torch.zeros_like(error), reduction="none", delta=huber_c)
+    if kind == "pseudo_huber":
+        return 2 * huber_c * ((error.square() + huber_c**2).sqrt() - huber_c)
+    raise ValueError(f"train.loss: unknown loss {kind!r} (known: {', '.join(LOSSES)})")
+
+
+def training_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, kind: str,
+                  huber_c: float) -> torch.Tensor:
+    """The loss of a training micro-batch by `kind` (train.loss), with per-sample `weights` (B,) (min-SNR, dataset
+    loss weights) as for MSE: the mean of each sample's mean error times its weight. 'mse' is `mse_loss` itself,
+    bit for bit."""
+    if kind == "mse":
+        return mse_loss(prediction, target, weights)
+    per_sample = elementwise_loss(prediction, target, kind, huber_c).flatten(1).mean(1)
+    return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
+
+
+def within(outer: tuple[float, float], inner: tuple[float, float]) -> tuple[float, float]:
+    """The `inner` fractions [lo, hi] of the `outer` range of the schedule: train.timestep_range inside an
+    adapter's own range (all of it but for Wan 2.2's experts). Exact at inner (0, 1)."""
+    if tuple(inner) == (0.0, 1.0):
+        return outer
+    lo, hi = outer
+    return lo + (hi - lo) * inner[0], lo + (hi - lo) * inner[1]
+
+
+class TrainingLoss:
+    """train.loss for training micro-batches; evaluation (inside `evaluating()`) always measures MSE, so eval
+    losses stay comparable across runs whatever loss each one trained with."""
+
+    def __init__(self, kind: str = "mse", huber_c: float = 0.1) -> None:
+        self.kind, self.huber_c, self._evaluating = kind, huber_c, False
+
+    def __call__(self, prediction: torch.Tensor, target: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._evaluating:
+            return mse_loss(prediction, target, weights)
+        return training_loss(prediction, target, weights, self.kind, self.huber_c)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
