@@ -3,6 +3,7 @@ train/objectives.py and train/data.py `noise_latents`, and the params' errors.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from diffusion_pipe.config import ConfigError
 from diffusion_pipe.params import load_params
 from diffusion_pipe.train.data import noise_latents
 from diffusion_pipe.train.objectives import TrainingLoss, elementwise_loss, mse_loss, training_loss
+from tests.conftest import make_pipeline_repo, run_stages
 
 BASE = "model: {path: some/model}\nscan:\n  datasets: [{path: data}]\n"
 
@@ -137,3 +139,32 @@ def test_timestep_range_must_be_min_below_max_within_0_1(tmp_path, bad):
     with pytest.raises(ConfigError, match=r"timestep_range"):
         _params(tmp_path, f"{{timestep_range: {bad}}}")
     assert _params(tmp_path, "{timestep_range: [0.1, 0.9]}").timestep_range == (0.1, 0.9)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The bundled example scanned and encoded once, then trained 2 steps twice: with today's recipe, and with
+    pseudo-Huber in the upper half of the schedule. Both train reports."""
+    root = tmp_path_factory.mktemp("recipe")
+    store = root / "store"
+    edits = {"steps: 120": "steps: 2", "eval_every_steps: 40": "eval_every_steps: 0",
+             "warmup_steps: 10": "warmup_steps: 0", "every_steps: 60": "every_steps: 0"}
+    repo = make_pipeline_repo(root / "repo", store, edits, dvc=False)
+    run_stages(repo, store)
+    reports = {}
+    params = (repo / "params.yaml").read_text()
+    for name, extra in (("mse", ""), ("pseudo_huber", "  loss: pseudo_huber\n  timestep_range: [0.5, 1.0]\n")):
+        (repo / "params.yaml").write_text(params.replace("train:\n", "train:\n" + extra, 1))
+        run_stages(repo, store, ("train",))
+        reports[name] = json.loads((repo / "reports/train.json").read_text())
+    return reports
+
+
+@pytest.mark.slow  # scan, encode and two 2-step trains of the example: about a minute on 2 shared cores
+def test_a_huber_run_trains_on_its_loss_and_evaluates_mse(two_runs):
+    mse, huber = two_runs["mse"], two_runs["pseudo_huber"]
+    assert mse["run_id"] != huber["run_id"]
+    # the same untrained LoRA, the same fixed eval batches: the eval loss at step 0 is MSE in both runs
+    assert huber["eval_loss_start"] == mse["eval_loss_start"]
+    # pseudo-Huber (c 0.1) counts errors of order 1 far below their square: the training loss says which ran
+    assert huber["train_loss_first"] < 0.5 * mse["train_loss_first"]
