@@ -104,8 +104,13 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                "save_lora_every_steps", "swap_prefetch", "attention")
     # today's optimizer is the one of every run from before train.optimizer existed, whose identity lacks the keys
     default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()
-    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer}
-    return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
+    # and LoRA's usual init that of every run from before train.init_lora existed
+    usual_init = ("init_lora",) if not train.init_lora else ()
+    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer + usual_init}
+    # the start LoRA's content, not only its path, defines the run (a missing file fails before training)
+    start = Path(train.init_lora)
+    init_lora = {"init_lora": hash_file(start)} if train.init_lora and start.is_file() else {}
+    return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path), **init_lora,
             "text_max_length": text_max_length, "layout": {"processes": world,
                                                            "pipeline_stages": train.pipeline_stages}}
 
@@ -158,11 +163,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     dp_world = dist.world // train.pipeline_stages
     if train.epochs:  # from here on, `steps` is what the epochs come to
         train = dataclasses.replace(train, steps=steps_for_epochs(train_rows, train, dp_world))
+    if train.init_lora and train.adapter == "full":
+        raise ConfigError("train.init_lora starts LoRA adapters, and train.adapter is full (no adapters); remove "
+                          "one of them")
     stage = pipeline_stage(dist.rank, train.pipeline_stages, dp_world)
     local = build_local_model(adapter, train.pipeline_stages, stage,
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
-                              base_dtype=model.base_dtype, full=train.adapter == "full")
+                              base_dtype=model.base_dtype, full=train.adapter == "full",
+                              init_lora=Path(train.init_lora) if train.init_lora else None)
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
