@@ -109,6 +109,26 @@ def read_lora_file(path: Path) -> tuple[TensorDict, dict[str, str]]:
                           "safetensors format (convert a .ckpt/.pt first)") from exc
 
 
+def metadata_scale(metadata: dict[str, str], path: Path) -> float:
+    """The scale a file without `.alpha` tensors applies: our train stage's lora_alpha / lora_rank (not folded
+    into lora_B), diffusers' `save_lora_weights` metadata (`lora_adapter_metadata`: its LoraConfig's lora_alpha
+    / r), else 1 (our exports fold it)."""
+    import json
+
+    if "lora_alpha" in metadata and "lora_rank" in metadata and "diffusion_pipe.export_format" not in metadata:
+        return float(metadata["lora_alpha"]) / int(metadata["lora_rank"])
+    if "lora_adapter_metadata" in metadata:
+        config = json.loads(metadata["lora_adapter_metadata"])
+        if any(config.get(k) for k in config if k.endswith(("rank_pattern", "alpha_pattern"))):
+            raise ConfigError(f"train.init_lora: {path} gives some modules their own rank or alpha "
+                              "(rank_pattern / alpha_pattern), which a run of one lora_rank cannot start from")
+        alphas = {v for k, v in config.items() if k.endswith("lora_alpha")}
+        ranks = {v for k, v in config.items() if k == "r" or k.endswith(".r")}
+        if len(alphas) == 1 and len(ranks) == 1:
+            return float(alphas.pop()) / int(ranks.pop())
+    return 1.0
+
+
 def init_lora_weights(adapter, shapes: dict[str, tuple[int, int]], path: Path, rank: int,
                       alpha: float) -> TensorDict:
     """The PEFT-named lora_A / lora_B start values of the run's targets (`shapes`: PEFT name -> (out, in)) that
@@ -118,9 +138,7 @@ def init_lora_weights(adapter, shapes: dict[str, tuple[int, int]], path: Path, r
     train.lora_rank."""
     tensors, metadata = read_lora_file(path)
     keymap = reverse_key_map(adapter, shapes)
-    # our train stage's own file: PEFT names, the scale in its metadata, not folded into lora_B
-    ours = "lora_alpha" in metadata and "lora_rank" in metadata and "diffusion_pipe.export_format" not in metadata
-    meta_scale = float(metadata["lora_alpha"]) / int(metadata["lora_rank"]) if ours else 1.0
+    meta_scale = metadata_scale(metadata, path)
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         split = split_key(key)

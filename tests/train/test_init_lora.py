@@ -95,6 +95,11 @@ def test_ours_and_diffusers_start_at_base_plus_that_lora(adapter, trained, tmp_p
                       adapter.export_lora(fold_scale(trained, RANK, FILE_ALPHA), "diffusers"),
                       {"diffusion_pipe.export_format": "diffusers", "lora_rank": "4", "lora_alpha": "4"})
     assert torch.allclose(forward(build(adapter, diffusers).denoiser), expected, atol=1e-5)
+    # as diffusers' save_lora_weights writes it: unfolded, its LoraConfig in the metadata
+    config = {"transformer.r": RANK, "transformer.lora_alpha": FILE_ALPHA, "transformer.rank_pattern": {}}
+    saved = write(tmp_path / "s.safetensors", adapter.export_lora(trained, "diffusers"),
+                  {"lora_adapter_metadata": json.dumps(config)})
+    assert torch.allclose(forward(build(adapter, saved).denoiser), expected, atol=1e-5)
     assert not torch.allclose(forward(build(adapter).denoiser), expected, atol=1e-3)
 
 
