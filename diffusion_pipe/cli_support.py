@@ -21,7 +21,8 @@ _TRANSFORMER = [("model.transformer", lambda p: [p.model.transformer])]
 _SAMPLE_CONTROLS = [("train.samples.prompts[].control", lambda p: [x.control for x in p.train.samples.prompts])]
 _PARAM_PATHS: dict[str, list[tuple[str, Callable]]] = {
     "encode": [("model.path", lambda p: [p.model.path]), *_ENCODERS],
-    "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_SAMPLE_CONTROLS],
+    "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_SAMPLE_CONTROLS,
+              ("train.init_lora", lambda p: [p.train.init_lora])],
     "export": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
     "sample": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS, *_SAMPLE_CONTROLS],
 }

@@ -426,6 +426,10 @@ class TrainParams:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()  # module name suffixes; empty: the family's defaults
+    # a LoRA .safetensors file the adapters start from instead of LoRA's usual init (continue a LoRA): ours
+    # (runs/train/lora.safetensors) or an export (diffusers, ComfyUI, kohya); its rank must equal lora_rank; it
+    # lands at the strength it applies whatever lora_alpha is; targets it lacks start as usual ("": none)
+    init_lora: str = ""
     timestep_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     flow_shift: float = 1.0
     guidance: float = 1.0  # value fed to guidance-distilled models (Flux-dev) during training

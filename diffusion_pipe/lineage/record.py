@@ -219,6 +219,8 @@ def checkpoint_lineage(params: Params, repo: Path, encoded_path: Path, store_key
     """
     inputs = {"manifest": file_input(repo, manifest_path), "encoded": file_input(repo, encoded_path),
               "store_keys": store_keys_record(store_keys)}
+    if params.train.init_lora:  # the LoRA the run started from (train.init_lora), by content
+        inputs["init_lora"] = file_input(repo, Path(params.train.init_lora))
     return _lineage("checkpoint", "train", params, repo, inputs, train_report, manifest_path)
 
 

@@ -115,13 +115,24 @@ def init_lora_deterministic(model: nn.Module, seed: int) -> None:
                 param.copy_(fresh.to(param.dtype))
 
 
+def load_init_lora(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy PEFT-named LoRA start values (`init_lora_weights`) into the materialised adapters of `model`."""
+    for name, param in model.named_parameters():
+        key = name.replace(".default.", ".")
+        if "lora_" in name and key in weights and param.device.type != "meta":
+            with torch.no_grad():
+                param.copy_(weights[key].to(param.dtype))
+
+
 def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
-                      alpha: float, dropout: float, seed: int, base_dtype: str = "", full: bool = False) -> LocalModel:
+                      alpha: float, dropout: float, seed: int, base_dtype: str = "", full: bool = False,
+                      init_lora: Path | None = None) -> LocalModel:
     """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype); with
     `full` (train.adapter: full), the denoiser itself with every weight trainable and no LoRA.
     `base_dtype` "float8" / "float8_matmul" (model.base_dtype) stores the frozen Linear weights of the
     stage's blocks in fp8 (train/fp8.py); the first and last pipeline layers, under 1% of the weights and
-    the model's input and output projections, keep the adapter's dtype."""
+    the model's input and output projections, keep the adapter's dtype. `init_lora` (train.init_lora): the LoRA
+    file the adapters start from instead of their usual init (train/init_lora.py)."""
     from accelerate import init_empty_weights
 
     cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
@@ -140,8 +151,14 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
         lora_targets: list[str] = []
     else:
         lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
+        shapes = {n: (denoiser.get_submodule(n).out_features, denoiser.get_submodule(n).in_features)
+                  for n in lora_targets}
         add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
         init_lora_deterministic(denoiser, seed)
+        if init_lora is not None:
+            from diffusion_pipe.train.init_lora import init_lora_weights
+
+            load_init_lora(denoiser, init_lora_weights(adapter, shapes, init_lora, rank, alpha))
     # Loading replaced parameter objects and peft replaced target modules: layers built before would hold
     # stale references, so the layers are built again from the final model.
     layers = adapter.pipeline_layers(denoiser)

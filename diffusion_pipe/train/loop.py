@@ -96,7 +96,7 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 
 # Train params added after runs existed that are left out of the run identity at these (their default) values, so
 # that a run from before them still resumes; any other value is another run.
-RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0)}
+RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0), "init_lora": ""}
 
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
@@ -109,10 +109,13 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
                "save_lora_every_steps", "swap_prefetch", "attention")
     # today's optimizer is the one of every run from before train.optimizer existed, whose identity lacks the keys
     default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()
-    # likewise the loss and schedule options of issue 36, at their defaults (today's training)
+    # likewise the loss and schedule options and init_lora, at their defaults (today's training)
     default_recipe = tuple(k for k, v in RECIPE_DEFAULTS.items() if getattr(train, k) == v)
     train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer + default_recipe}
-    return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path),
+    # the start LoRA's content, not only its path, defines the run (a missing file fails before training)
+    start = Path(train.init_lora)
+    init_lora = {"init_lora": hash_file(start)} if train.init_lora and start.is_file() else {}
+    return {"model": to_dict(model), "train": train_dict, "encoded": hash_file(encoded_path), **init_lora,
             "text_max_length": text_max_length, "layout": {"processes": world,
                                                            "pipeline_stages": train.pipeline_stages}}
 
@@ -165,11 +168,15 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     dp_world = dist.world // train.pipeline_stages
     if train.epochs:  # from here on, `steps` is what the epochs come to
         train = dataclasses.replace(train, steps=steps_for_epochs(train_rows, train, dp_world))
+    if train.init_lora and train.adapter == "full":
+        raise ConfigError("train.init_lora starts LoRA adapters, and train.adapter is full (no adapters); remove "
+                          "one of them")
     stage = pipeline_stage(dist.rank, train.pipeline_stages, dp_world)
     local = build_local_model(adapter, train.pipeline_stages, stage,
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
-                              base_dtype=model.base_dtype, full=train.adapter == "full")
+                              base_dtype=model.base_dtype, full=train.adapter == "full",
+                              init_lora=Path(train.init_lora) if train.init_lora else None)
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")

@@ -52,16 +52,17 @@ MAY_CHANGE_ON_RESUME = {
     "swap_prefetch",  # whether swapped blocks are copied ahead: the same weights, the same products
     "attention",  # one value left (flash); left out so that runs from when it had two continue
 }
-# Left out of the identity while they hold today's default (adamw, no args), so that runs from before they existed
-# resume; any other optimizer or args is another run (test_the_optimizer_and_its_args_are_part_of_the_run).
-ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args", "loss", "huber_c", "timestep_range"}
+# Left out of the identity while they hold today's default (adamw, no args; mse, the whole schedule; no
+# init_lora), so that runs from before they existed resume; any other value is another run
+# (test_the_optimizer_and_its_args_are_part_of_the_run).
+ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args", "loss", "huber_c", "timestep_range", "init_lora"}
 # Another valid value of every other train param: changing any of them must start a new run.
 OTHER_VALUE = {
     "seed": 1, "steps": 200, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 2.0e-4,
     "lr_scheduler": "cosine", "warmup_steps": 5, "weight_decay": 0.01, "adam_betas": (0.9, 0.99),
     "adam_eps": 1.0e-6, "max_grad_norm": 0.5, "adapter": "full", "lora_rank": 8, "lora_alpha": 8.0,
     "lora_dropout": 0.1, "lora_targets": ("to_q",), "timestep_sampling": "uniform", "flow_shift": 3.0,
-    "guidance": 3.5, "epochs": 2, "noise_offset": 0.05, "min_snr_gamma": 5.0, "pipeline_stages": 2,
+    "init_lora": "runs/old/lora.safetensors", "guidance": 3.5, "epochs": 2, "noise_offset": 0.05, "min_snr_gamma": 5.0, "pipeline_stages": 2,
     "activation_checkpointing": False, "activation_checkpointing_share": 0.5,
     "activation_checkpointing_keep": "attention", "compile": True, "blocks_to_swap": 2, "max_gpu_memory_gb": 24.0,
     "device": "cpu", "caption_dropout": 0.1, "eval_every_steps": 10, "eval_timesteps": (0.5,),
