@@ -80,6 +80,14 @@ def run_stages(repo: Path, store: Path, stages: tuple[str, ...] = ("scan", "enco
         run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
 
 
+def encoded_example(root: Path, params_edits: dict[str, str] | None) -> tuple[Path, Path]:
+    """(repo, store) under `root`: the bundled example with `params_edits`, scanned and encoded (no DVC)."""
+    store = root / "store"
+    repo = make_pipeline_repo(root / "repo", store, params_edits, dvc=False)
+    run_stages(repo, store)
+    return repo, store
+
+
 def train_example(tmp_path: Path, params_edits: dict[str, str], dvc: bool = True) -> tuple[Path, dict, list[dict]]:
     """The bundled example with `params_edits`, through scan, encode and train as plain stage commands: its repo,
     the train report and the loss plot's rows."""

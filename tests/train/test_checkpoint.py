@@ -19,7 +19,7 @@ import torch
 from diffusion_pipe.fileio import WriteError, naming_write_errors
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
-from tests.conftest import REPO, make_pipeline_repo, run_checked, run_env, run_stages
+from tests.conftest import REPO, encoded_example, run_checked, run_env
 
 STEPS = 12
 PARAMS = {"steps: 120": f"steps: {STEPS}",
@@ -29,10 +29,7 @@ PARAMS = {"steps: 120": f"steps: {STEPS}",
 @pytest.fixture(scope="module")
 def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoint")
-    store = root / "store"
-    repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
-    run_stages(repo, store)
-    return repo, store
+    return encoded_example(root, PARAMS)
 
 
 @pytest.fixture(scope="module")

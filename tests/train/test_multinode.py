@@ -13,7 +13,7 @@ import torch
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.train.pipeline import process_placement
-from tests.conftest import free_port, make_pipeline_repo, run_checked, run_env, run_stages, torchrun
+from tests.conftest import encoded_example, free_port, run_checked, run_env, torchrun
 
 EDITS = {"steps: 120": "steps: 3", "eval_every_steps: 40": "eval_every_steps: 0",
          "pipeline_stages: 1": "pipeline_stages: 2"}
@@ -23,10 +23,7 @@ EDITS = {"steps: 120": "steps: 3", "eval_every_steps: 40": "eval_every_steps: 0"
 def encoded(tmp_path_factory) -> tuple[Path, Path]:
     """The bundled example, scanned and encoded, with 2 pipeline stages and 3 steps: its repo and store."""
     root = tmp_path_factory.mktemp("multinode")
-    store = root / "store"
-    repo = make_pipeline_repo(root / "repo", store, EDITS, dvc=False)
-    run_stages(repo, store)
-    return repo, store
+    return encoded_example(root, EDITS)
 
 
 def outputs(out: Path, runs: Path) -> list[str]:

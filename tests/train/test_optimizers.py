@@ -22,7 +22,7 @@ from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyAr
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available)
-from tests.conftest import make_pipeline_repo, run_checked, run_env, run_stages
+from tests.conftest import encoded_example, run_checked, run_env
 
 CPU = torch.device("cpu")
 # what runs here: bitsandbytes' adamw8bit needs a CUDA GPU
@@ -284,10 +284,7 @@ def _with_recipe(params: str, name: str) -> str:
 @pytest.fixture(scope="module")
 def encoded_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("optimizers")
-    store = root / "store"
-    repo = make_pipeline_repo(root / "repo", store, PARAMS, dvc=False)
-    run_stages(repo, store)
-    return repo, store
+    return encoded_example(root, PARAMS)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
