@@ -17,6 +17,7 @@ checkpointing, no memory cap.
 - ours: `python -m stages.train` in a fresh process (bench_train.run_ours): the DeepSpeed pipeline engine, one
   stage, data read from the store, a checkpoint at the end; s/step is the train report's median of steps 3..N.
 - plain: the same denoiser loaded with `from_pretrained`, peft LoRA on the same targets, AdamW, grad clipping,
+  in bf16 autocast (since 2026-12-07: earlier rows ran without it),
   on one fixed micro-batch: the adapter's `model_inputs` (at t = 0.5) fed to the denoiser's own unsplit forward
   as the family's contract test calls it (`unsplit_forward` of tests/models/test_<family>.py, the forward the
   composed pipeline layers are tested equal to). Its input preparation is done once, outside the timed steps.
@@ -138,7 +139,10 @@ def plain_family(family: str, adapter, media: tuple[int, int, int], text_len: in
     contract, denoiser = contract_forward(family), _OnDevice(model, dev)
 
     def loss() -> torch.Tensor:
-        prediction = contract.unsplit_forward(adapter, denoiser, inputs, like)
+        # in bf16 autocast, as diffusers' training scripts run (accelerate's mixed precision) and as
+        # bench_train.py's plain loops run since issue 35 found one without it flattering our ratios
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            prediction = contract.unsplit_forward(adapter, denoiser, inputs, like)
         return torch.nn.functional.mse_loss(prediction.float(), target.float())
 
     out = train_plain(loss, params, steps, dev, profile=profile, log=lambda m: log(f"{family}: {m}"))
