@@ -136,3 +136,66 @@ def test_a_large_text_encoder_loaded_through_pinned_memory_is_the_one_from_pretr
         assert got.is_cuda and torch.equal(got, want), name
     ids = torch.randint(0, 64, (2, 9), device="cuda")
     assert torch.equal(pinned(ids).last_hidden_state, reference(ids).last_hidden_state)
+
+
+def test_adamw8bit_state_through_a_checkpoint_continues_exactly(tmp_path):
+    """bitsandbytes' AdamW8bit (CUDA only, so never run by the CPU suite) steps our fp32 masters, its 8-bit state
+    (uint8 moments, their absmax and quantile maps) goes through our checkpoint format, and a fresh optimizer
+    loaded from it takes the unbroken optimizer's next steps bit for bit."""
+    pytest.importorskip("bitsandbytes", reason="adamw8bit's bitsandbytes is optional: install it to test it")
+    from diffusion_pipe.config import from_dict
+    from diffusion_pipe.params import TrainParams
+    from diffusion_pipe.train.optim import LossScaler, build_optimizer
+    from tests.train.test_optimizers import _checkpoints
+
+    cuda = torch.device("cuda")
+    shapes = ((64, 96), (96, 64), (8, 8))  # the last under min_8bit_size: it keeps 32-bit state
+
+    def params(seed: int) -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16().to(cuda)) for s in shapes]
+
+    def step(opt, ps, n: int) -> None:
+        g = torch.Generator().manual_seed(100 + n)
+        for p, s in zip(ps, shapes):
+            p.grad = torch.randn(s, generator=g).bfloat16().to(cuda)
+        opt.step()
+        opt.zero_grad()
+
+    train = from_dict(TrainParams, {"optimizer": "adamw8bit", "max_grad_norm": 0.0, "learning_rate": 1e-2,
+                                    "optimizer_args": {"min_8bit_size": 4096}}, "train")
+
+    def build(ps):
+        opt = build_optimizer(ps, train, cuda, LossScaler(False))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0)
+
+    ps = params(0)
+    opt, scheduler = build(ps)
+    start = [m.clone() for m in opt.masters]
+    for n in range(2):
+        step(opt, ps, n)
+        scheduler.step()
+    assert all(not torch.equal(a, b) for a, b in zip(start, opt.masters))  # it stepped the masters
+    state = opt.state[opt.masters[0]]
+    assert any(t.dtype == torch.uint8 for t in state.values() if torch.is_tensor(t)), state.keys()
+    _checkpoints(tmp_path, ps, opt, scheduler, cuda).save({"step": 2})
+    fresh_ps = params(1)
+    fresh, fresh_scheduler = build(fresh_ps)
+    _checkpoints(tmp_path, fresh_ps, fresh, fresh_scheduler, cuda).load(tmp_path / "run" / "step2")
+    for n in (2, 3):
+        step(opt, ps, n)
+        step(fresh, fresh_ps, n)
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, fresh.masters))
+    assert all(torch.equal(a, b) for a, b in zip(ps, fresh_ps))
+
+
+def test_adamw8bit_trains_the_example_in_bfloat16(tmp_path):
+    pytest.importorskip("bitsandbytes", reason="adamw8bit's bitsandbytes is optional: install it to test it")
+    _, report, rows = train_example(tmp_path, {
+        "dtype: float32": "dtype: bfloat16", "steps: 120": f"steps: {STEPS}",
+        "  optimizer: adamw ": "  optimizer: adamw8bit ",
+        "eval_every_steps: 40": "eval_every_steps: 0\n  device: cuda\n  optimizer_args: {min_8bit_size: 256}"},
+        dvc=False)
+    losses = [float(r["loss"]) for r in rows]
+    assert len(losses) == STEPS and all(0.05 < x < 5 for x in losses)
+    assert report["eval_loss_end"] < report["eval_loss_start"], report

@@ -166,12 +166,12 @@ class _Engine(types.SimpleNamespace):
     """What Checkpoints reads of DeepSpeed's engine: one stage, one process."""
 
 
-def _checkpoints(tmp_path: Path, params, opt, scheduler) -> Checkpoints:
+def _checkpoints(tmp_path: Path, params, opt, scheduler, device: torch.device = CPU) -> Checkpoints:
     module = torch.nn.Module()
     module.weights = torch.nn.ParameterList(params)
     grid = types.SimpleNamespace(get_stage_id=lambda: 0, get_data_parallel_rank=lambda: 0)
     engine = _Engine(grid=grid, num_stages=1, module=module, global_steps=0, global_samples=0, skipped_steps=0)
-    return Checkpoints(tmp_path / "run", engine, opt, scheduler, types.SimpleNamespace(rank=0, world=1, device=CPU))
+    return Checkpoints(tmp_path / "run", engine, opt, scheduler, types.SimpleNamespace(rank=0, world=1, device=device))
 
 
 @pytest.mark.parametrize("name", ON_CPU)
