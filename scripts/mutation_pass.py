@@ -1194,6 +1194,10 @@ MUTATIONS: list[Mutation] = [
              'inputs["init_lora"] = file_input(repo, Path(params.train.init_lora))', "pass",
              ("tests/train/test_init_lora.py::test_a_run_starts_from_the_file_and_records_it",),
              "the lineage record does not say which LoRA the run started from"),
+    Mutation("atomic-publish-unnamed-errors", "diffusion_pipe/fileio.py",
+             'with naming_write_errors(path), atomic_writer(path, "wb") as fh:', 'with atomic_writer(path, "wb") as fh:',
+             ("tests/train/test_checkpoint.py::test_an_atomic_publish_past_the_disk_s_room_names_the_file_and_leaves_nothing",),
+             "a step LoRA (or any atomic publish) on a full disk ends in a raw OSError on its temp file's name"),
 ]
 
 
