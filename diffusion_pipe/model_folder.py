@@ -86,3 +86,46 @@ def read_model_json(path: Path, model_dir: Path | None = None) -> ModelJson:
     if not isinstance(value, dict):
         raise model_folder_error(path, f"holds a JSON {type(value).__name__}, not an object", model_dir)
     return ModelJson(value, path, model_dir)
+
+
+# component classes that hold no weights (importing some of transformers' processors warns of missing extras)
+_NOT_MODELS = ("Scheduler", "Processor", "FeatureExtractor", "Tokenizer", "TokenizerFast", "Guidance")
+
+
+def require_pipeline_components(model_dir: Path, skip: tuple[str, ...] = ()) -> None:
+    """Every component model_index.json lists as [library, class] (but those in `skip`) present in `model_dir`:
+    its folder, a config file in it, and for a model (a diffusers or transformers model class) its config.json
+    and .safetensors (or .bin) weights. A ModelFolderError naming the first part missing."""
+    import diffusers
+    import transformers
+
+    model_dir = Path(model_dir)
+    index = read_model_json(model_dir / "model_index.json", model_dir)
+    for name, spec in sorted(index.items()):
+        if (name.startswith("_") or name in skip or not isinstance(spec, list) or len(spec) != 2
+                or not all(isinstance(part, str) for part in spec)):
+            continue  # a setting (Krea 2's text layers), a component left out ([null, null]) or given elsewhere
+        folder = require_dir(model_dir / name, model_dir)
+        cls = None if spec[1].endswith(_NOT_MODELS) else getattr(
+            diffusers if spec[0] == "diffusers" else transformers, spec[1], None)
+        if isinstance(cls, type) and issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel)):
+            require_file(folder / "config.json", model_dir)
+            if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+                raise model_folder_error(folder, f"no .safetensors weights of the {spec[1]}", model_dir)
+            for weights in sorted(folder.glob("*.safetensors")):
+                require_readable_safetensors(weights, model_dir)
+        elif not any(folder.glob("*.json")):
+            raise model_folder_error(folder, f"no config of the {spec[1]} (a .json file)", model_dir)
+
+
+def require_readable_safetensors(path: Path, model_dir: Path) -> None:
+    """`path`'s header read (cheap: no tensor is loaded), which also checks the file is as long as the header
+    says: a ModelFolderError naming it when it is cut short or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise model_folder_error(path, f"not a readable .safetensors file, cut short or damaged ({exc})",
+                                 model_dir) from exc

@@ -1198,6 +1198,14 @@ MUTATIONS: list[Mutation] = [
              'with naming_write_errors(path), atomic_writer(path, "wb") as fh:', 'with atomic_writer(path, "wb") as fh:',
              ("tests/train/test_checkpoint.py::test_an_atomic_publish_past_the_disk_s_room_names_the_file_and_leaves_nothing",),
              "a step LoRA (or any atomic publish) on a full disk ends in a raw OSError on its temp file's name"),
+    Mutation("sample-stage-unchecked-folder", "diffusion_pipe/models/base.py",
+             "require_pipeline_components(self.model_dir, skip)", "pass",
+             ("tests/models/test_model_folder.py",),
+             "the sample stage meets a model folder without its VAE weights as diffusers' traceback"),
+    Mutation("sample-stage-unread-weights", "diffusion_pipe/model_folder.py",
+             "require_readable_safetensors(weights, model_dir)", "pass",
+             ("tests/models/test_model_folder.py",),
+             "a weights file cut short reaches the sample stage as a library error naming no file"),
 ]
 
 

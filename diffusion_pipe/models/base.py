@@ -322,6 +322,21 @@ class Adapter(ABC):
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 
+    def load_pipeline(self, skip: tuple[str, ...] = ()) -> object:
+        """The family's whole pipeline from the model folder (the `sample` stage renders with it), without the
+        components in `skip` (text encoders and tokenizers, whose embeddings it is given): each component that
+        model_index.json lists is checked first, so a folder lacking one (or its config or weights) is a
+        ModelFolderError naming it, as everywhere else, and so is a file diffusers or transformers cannot load."""
+        from diffusion_pipe.model_folder import model_folder_error, require_pipeline_components
+
+        require_pipeline_components(self.model_dir, skip)
+        try:
+            return self.pipeline_class().from_pretrained(self.model_dir, torch_dtype=self.dtype,
+                                                         **{name: None for name in skip})
+        except (OSError, ValueError) as exc:  # a weights file cut short, a config of another model
+            raise model_folder_error(self.model_dir, f"the {self.pipeline_class().__name__} cannot load from it "
+                                     f"({exc})", self.model_dir) from exc
+
     def load_scheduler(self, component: str = "scheduler") -> object:
         """The diffusers scheduler of folder `component` (the class its scheduler_config.json names): a
         ModelFolderError naming the file when it is missing or names no diffusers scheduler."""

@@ -415,6 +415,12 @@ class MiniMaxH3Adapter(Adapter):
         pipe.set_progress_bar_config(desc="samples", unit="step", leave=False, file=sys.stderr)
         return pipe
 
+    def load_pipeline(self, skip: tuple[str, ...] = ()) -> object:
+        """The sample stage's pipeline: its denoiser and VAE through the checked loaders (the folder has no
+        model_index.json to list them: the modular pipeline's components are fixed)."""
+        cpu = torch.device("cpu")
+        return self.sample_pipeline(self.load_denoiser(cpu), self.load_vae(cpu))
+
     def sample_texts(self, prompt: SamplePrompt) -> tuple[str, ...]:
         """The prompt alone: the model is guidance-distilled, its pipeline takes no negative prompt."""
         return (prompt.prompt,)

@@ -53,8 +53,7 @@ def sample_lora(params: Params, lora_path: Path, out_dir: Path, report_path: Pat
     del encoders  # the pipeline gets its prompts as embeddings: its text encoders are never loaded
 
     encoder_dirs, tokenizer_dirs = adapter.text_component_dirs()
-    pipe = adapter.pipeline_class().from_pretrained(
-        adapter.model_dir, torch_dtype=adapter.dtype, **{name: None for name in (*encoder_dirs, *tokenizer_dirs)})
+    pipe = adapter.load_pipeline(skip=(*encoder_dirs, *tokenizer_dirs))
     pipe.set_progress_bar_config(desc="sample", unit="step", leave=False, file=sys.stderr)
     pipe.to(device)
     without = render_prompts(pipe, adapter, prompts, texts, device)

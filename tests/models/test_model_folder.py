@@ -33,6 +33,12 @@ def _build_stage(adapter: FluxAdapter) -> object:
                              seed=0)
 
 
+def _sample_stage_pipeline(adapter: FluxAdapter) -> object:
+    """What the sample stage loads: the whole pipeline but its text encoders and tokenizers."""
+    encoders, tokenizers = adapter.text_component_dirs()
+    return adapter.load_pipeline(skip=(*encoders, *tokenizers))
+
+
 # (part removed, what loads it, the message's problem): each load a stage makes of a component file or folder
 CASES: list[tuple[str, Callable[[FluxAdapter], object], str]] = [
     ("transformer/config.json", _build_stage, "missing"),  # train: was diffusers' OSError traceback
@@ -47,6 +53,12 @@ CASES: list[tuple[str, Callable[[FluxAdapter], object], str]] = [
     ("text_encoder/model.safetensors", lambda a: a.load_text_encoders(CPU), "CLIPTextModel cannot load from it"),
     ("tokenizer", lambda a: tokenizer_hash(a.model_dir / "tokenizer"), "no such folder"),
     ("tokenizer", lambda a: a.load_tokenizers(), "no such folder"),
+    # the sample stage's pipeline: was diffusers' traceback (or, for a folder, its hub lookup)
+    ("model_index.json", _sample_stage_pipeline, "missing"),
+    ("transformer", _sample_stage_pipeline, "no such folder"),
+    ("vae/diffusion_pytorch_model.safetensors", _sample_stage_pipeline, "no .safetensors weights of the "
+                                                                        "AutoencoderKL"),
+    ("scheduler/scheduler_config.json", _sample_stage_pipeline, "no config of the FlowMatchEulerDiscreteScheduler"),
 ]
 
 
@@ -71,7 +83,8 @@ def test_a_config_cut_short_is_named_not_a_json_traceback(model_dir: Path) -> No
     ("text_encoder/model.safetensors", lambda a: a.load_text_encoders(CPU)),  # transformers: a SafetensorError
     ("transformer/diffusion_pytorch_model.safetensors", _build_stage),  # train's own loader: a SafetensorError
     ("vae/diffusion_pytorch_model.safetensors", lambda a: a.load_vae(CPU)),  # diffusers: an OSError
-], ids=["text_encoder", "transformer", "vae"])
+    ("vae/diffusion_pytorch_model.safetensors", _sample_stage_pipeline),  # the pipeline's from_pretrained
+], ids=["text_encoder", "transformer", "vae", "sample-stage-vae"])
 def test_a_weights_file_cut_short_is_named(model_dir: Path, part: str, load: Callable[[FluxAdapter], object]) -> None:
     path = model_dir / part
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
