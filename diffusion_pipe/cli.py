@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from diffusion_pipe.errors import error_message
 from diffusion_pipe.lineage.cli import lineage_cli
 from diffusion_pipe.models.cli import models_command
 from diffusion_pipe.store.cli import store_group
@@ -82,7 +83,7 @@ def init_command(dataset: Path, name: str, resolutions: tuple[int, ...], repeats
         changes, survey = init_project(repo, dataset, entry, replace=replace, model=model, family=family,
                                        preset=preset)
     except user_errors() as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(error_message(exc)) from None
     if preset is not None:
         click.echo(f"preset: {preset.path.parent.name}/{preset.path.name}, for {preset.vram_gb} GB cards "
                    f"({'--vram' if vram else 'this GPU'}: {card:.1f} GB). What it says of itself:")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from diffusion_pipe.errors import error_text
+
 # Paths that params point at and a stage reads, per stage: (param name, function of Params -> paths). Encode reads
 # the media too, but through the manifest's content hashes, so a changed file already re-runs it. Scan's dataset
 # directories are deliberately not deps (dvc.yaml says why): scan runs on every repro and notices changes itself.
@@ -65,7 +67,7 @@ def stage_command(name: str) -> Callable:
                 fn(params, **kwargs)
                 check_params_unchanged(params_path, name, params)
             except user_errors() as exc:
-                click.echo(f"error: {exc}", err=True)
+                click.echo(error_text(exc), err=True)
                 sys.exit(2)
         return click.command(name)(run)
     return wrap

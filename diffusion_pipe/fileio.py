@@ -68,8 +68,8 @@ def atomic_writer(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Publish `data` at `path` atomically; a failed write (a full disk, ...) is a WriteError naming `path`."""
-    with naming_write_errors(path), atomic_writer(path, "wb") as fh:
+    """Publish `data` at `path` atomically."""
+    with atomic_writer(path, "wb") as fh:
         fh.write(data)
 
 

@@ -1194,10 +1194,10 @@ MUTATIONS: list[Mutation] = [
              'inputs["init_lora"] = file_input(repo, Path(params.train.init_lora))', "pass",
              ("tests/train/test_init_lora.py::test_a_run_starts_from_the_file_and_records_it",),
              "the lineage record does not say which LoRA the run started from"),
-    Mutation("atomic-publish-unnamed-errors", "diffusion_pipe/fileio.py",
-             'with naming_write_errors(path), atomic_writer(path, "wb") as fh:', 'with atomic_writer(path, "wb") as fh:',
-             ("tests/train/test_checkpoint.py::test_an_atomic_publish_past_the_disk_s_room_names_the_file_and_leaves_nothing",),
-             "a step LoRA (or any atomic publish) on a full disk ends in a raw OSError on its temp file's name"),
+    Mutation("step-lora-unnamed-errors", "diffusion_pipe/train/step_loras.py",
+             "with naming_write_errors(path):  # a full disk", "if True:  # a full disk",
+             ("tests/train/test_step_loras.py::test_a_full_disk_names_the_step_lora_and_leaves_nothing",),
+             "a LoRA written along the way onto a full disk ends in a raw OSError on its temp file's name"),
     Mutation("sample-stage-unchecked-folder", "diffusion_pipe/models/base.py",
              "require_pipeline_components(self.model_dir, skip)", "pass",
              ("tests/models/test_model_folder.py",),
@@ -1206,6 +1206,10 @@ MUTATIONS: list[Mutation] = [
              "require_readable_safetensors(weights, model_dir)", "pass",
              ("tests/models/test_model_folder.py",),
              "a weights file cut short reaches the sample stage as a library error naming no file"),
+    Mutation("error-text-raw", "diffusion_pipe/errors.py",
+             'return f"error: {error_message(error)}"', 'return f"error: {error}"',
+             ("tests/test_cli.py::test_a_file_name_in_an_error_cannot_forge_lines_or_drive_the_terminal",),
+             "a file name with an ESC sequence in a stage's error drives the user's terminal"),
 ]
 
 

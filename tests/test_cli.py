@@ -1,5 +1,6 @@
 """The command line: every stage is a command, and user errors are one message with exit status 2."""
 
+import json
 import subprocess
 import sys
 
@@ -38,3 +39,18 @@ def test_local_model_missing_from_dvc_deps_is_named(tmp_path):
     result = CliRunner().invoke(main, ["encode", "--params", str(params)])
     assert result.exit_code == 2
     assert "is not a dependency of stage 'encode'" in result.output and "stages.encode.deps" in result.output
+
+
+def test_a_file_name_in_an_error_cannot_forge_lines_or_drive_the_terminal(tmp_path):
+    """A stage error quoting a path whose name holds an ESC sequence and a newline: printed escaped, on one line."""
+    (tmp_path / "photos").mkdir()
+    model = tmp_path / "mo\x1b[2Jdel\nerror: all is well"
+    model.mkdir()
+    (tmp_path / "dvc.yaml").write_text("stages:\n  encode:\n    cmd: x\n    deps: [stages/encode]\n")
+    params = tmp_path / "params.yaml"
+    params.write_text(f"model: {{path: {json.dumps(str(model))}}}\n"
+                      f"scan:\n  datasets: [{{path: {tmp_path / 'photos'}}}]\n")
+    result = CliRunner().invoke(main, ["encode", "--params", str(params)])
+    assert result.exit_code == 2
+    assert "\x1b" not in result.output and result.output.count("\n") == 1, result.output
+    assert "mo\\x1b[2Jdel\\nerror: all is well" in result.output

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from diffusion_pipe.errors import error_text
+
 
 def lineage_command(file: Path, *, verify: bool, repo: Path, other: Path | None, as_json: bool) -> tuple[str, int]:
     """What `diffusion-pipe lineage` prints and its exit status (1: drift or differences; 2: unreadable)."""
@@ -21,7 +23,7 @@ def lineage_command(file: Path, *, verify: bool, repo: Path, other: Path | None,
         record = read_lineage(file)
         other_record = read_lineage(other) if other is not None else None
     except ValueError as exc:
-        return f"error: {exc}\n", 2
+        return f"{error_text(exc)}\n", 2
     if verify:
         lineage_dir = file if file.is_dir() else file.parent if file.suffix == ".json" else None
         checks = verify_lineage(record, repo, lineage_dir=lineage_dir)

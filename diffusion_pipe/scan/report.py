@@ -24,28 +24,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from diffusion_pipe.errors import printable  # noqa: F401  (the scan prints through it)
 from diffusion_pipe.scan.manifest import DatasetSpec
 
 _EXAMPLES = 5  # paths listed per reason / duplicate group, enough to find the problem without a huge report
-_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def printable(text: str) -> str:
-    """`text` safe to print on one terminal line: a backslash doubled, and every character that is not printable
-    (control characters, line and paragraph separators, format characters such as U+202E that reorder the
-    line) written as a Python escape (`\\n`, `\\x1b`, `\\u202e`). Printable text, non-ASCII included, is unchanged."""
-    if text.isprintable() and "\\" not in text:
-        return text
-    out = []
-    for ch in text:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            code = ord(ch)
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
-    return "".join(out)
 
 
 def _tally(values: pa.ChunkedArray | pa.Array) -> dict[str, int]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from diffusion_pipe.errors import error_text
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -37,7 +39,7 @@ def _size(n: int) -> str:
 
 
 def _fail(message: str, status: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
+    click.echo(error_text(message), err=True)
     sys.exit(status)
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.lora_keys import fold_scale
-from diffusion_pipe.fileio import write_bytes_atomic
+from diffusion_pipe.fileio import naming_write_errors, write_bytes_atomic
 from diffusion_pipe.models.base import Adapter
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.lora import gather_lora
@@ -74,6 +74,7 @@ class StepLoras:
                         "diffusion_pipe.export_format": fmt, "diffusion_pipe.run_id": self.run_id,
                         "diffusion_pipe.step": str(step), "diffusion_pipe.identity": self.identity}
             path = step_lora_path(self.run_dir, step, fmt)
-            write_bytes_atomic(path, save_deterministic(self.adapter.export_lora(folded, fmt), metadata))
+            with naming_write_errors(path):  # a full disk names the file, not a temp name in an OSError
+                write_bytes_atomic(path, save_deterministic(self.adapter.export_lora(folded, fmt), metadata))
             written.append(path.name)
         tqdm.write(f"train: step {step} LoRA: {', '.join(written)} in {self.run_dir}", file=sys.stderr)

@@ -4,6 +4,7 @@ without changing the run (its identity, its losses)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.params import ModelParams, TrainParams
 from diffusion_pipe.train.loop import run_identity
 from diffusion_pipe.train.step_loras import step_lora_steps
-from tests.conftest import run_checked, run_env, train_example
+from tests.conftest import REPO, run_checked, run_env, train_example
 
 STEPS = 6
 PARAMS = {"steps: 120": f"steps: {STEPS}",
@@ -142,3 +143,37 @@ def test_setting_it_on_a_finished_run_writes_no_file_for_steps_already_trained(t
         "step-000006.comfyui.safetensors", "step-000006.diffusers.safetensors"]
     after, _ = read(copy / "runs/train/lora.safetensors")
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+# builds a LoRA'd tiny Flux and writes its step-1 LoRA (argv: model folder, LoRA folder)
+_SAVE_A_STEP_LORA = """
+import sys
+from pathlib import Path
+import torch
+from diffusion_pipe.errors import UserError
+from diffusion_pipe.models.flux import FluxAdapter
+from diffusion_pipe.train.build import build_local_model
+from diffusion_pipe.train.step_loras import StepLoras
+adapter = FluxAdapter(Path(sys.argv[1]), torch.float32)
+local = build_local_model(adapter, 1, 0, targets=adapter.default_lora_targets, rank=4, alpha=4.0, dropout=0.0, seed=0)
+loras = StepLoras(1, 1, ("diffusers",), adapter, local.denoiser, torch.nn.ModuleList(local.layers), 0, 4, 4.0,
+                  Path(sys.argv[2]), {}, "run")
+try:
+    loras.save(1)
+except UserError as e:
+    sys.exit(f"{type(e).__name__}: {e}")
+"""
+
+
+def test_a_full_disk_names_the_step_lora_and_leaves_nothing(tiny_flux_dir, tmp_path):
+    """A LoRA written along the way onto a disk without room for it (a real file size limit): one WriteError naming
+    the LoRA file, not an OSError on its temp file's name; neither the file nor a temp file is left."""
+    from tests.train.test_checkpoint import file_size_limited
+
+    out = subprocess.run([sys.executable, "-c", _SAVE_A_STEP_LORA, str(tiny_flux_dir), str(tmp_path / "loras")],
+                         cwd=REPO, capture_output=True, text=True, preexec_fn=file_size_limited(1000), timeout=300)
+    target = tmp_path / "loras" / "step-000001.diffusers.safetensors"
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith(f"WriteError: cannot write {target}: the file would exceed the file size limit "
+                                 "(ulimit -f) (EFBIG"), out.stderr
+    assert list(target.parent.iterdir()) == []
