@@ -257,17 +257,16 @@ def _example_files(family: str, root: Path) -> list[Path]:
     """The bundled example params files that train `family` (`examples/*/params*.yaml` whose `model.family` is it):
     its tiny example and the real-model ones sized for GPU memory budgets. Not the repository's own params.yaml,
     which users overwrite with their own."""
-    return [p for p in sorted((root / "examples").glob("*/params*.yaml")) if _model_section(p).get("family") == family]
+    from diffusion_pipe.presets import model_section
 
-
-def _model_section(path: Path) -> dict[str, Any]:
-    from ruamel.yaml import YAML
-
-    return (YAML(typ="safe", pure=True).load(path.read_text()) or {}).get("model", {}) or {}
+    return [p for p in sorted((root / "examples").glob("*/params*.yaml"))
+            if model_section(p.read_text()).get("family") == family]
 
 
 def _model_keys(path: Path) -> dict[str, Any]:
-    model = _model_section(path)
+    from diffusion_pipe.presets import model_section
+
+    model = model_section(path.read_text())
     return {k: model[k] for k in ("path", "transformer", "vae", "base_dtype") if model.get(k)}
 
 

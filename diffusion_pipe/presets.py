@@ -33,15 +33,20 @@ class Preset:
     header: str
 
 
-def read_preset(path: Path) -> Preset | None:
-    """The preset at `path`, or None when its name is not `params-<N>gb[-variant].yaml`."""
+def model_section(text: str) -> dict:
+    """The `model` section of the params file `text` ({} when it has none)."""
     from ruamel.yaml import YAML
 
+    return (YAML(typ="safe", pure=True).load(text) or {}).get("model") or {}
+
+
+def read_preset(path: Path) -> Preset | None:
+    """The preset at `path`, or None when its name is not `params-<N>gb[-variant].yaml`."""
     match = _NAME.fullmatch(path.name)
     if match is None:
         return None
     text = path.read_text()
-    family = ((YAML(typ="safe", pure=True).load(text) or {}).get("model") or {}).get("family", "")
+    family = model_section(text).get("family", "")
     header = "\n".join(line[1:].strip() for line in text.splitlines()[: next(
         (i for i, line in enumerate(text.splitlines()) if not line.startswith("#")), 0)])
     return Preset(path, family, int(match["gb"]), (match["variant"] or "").lstrip("-"), header)
