@@ -1210,6 +1210,10 @@ MUTATIONS: list[Mutation] = [
              'return f"error: {error_message(error)}"', 'return f"error: {error}"',
              ("tests/test_cli.py::test_a_file_name_in_an_error_cannot_forge_lines_or_drive_the_terminal",),
              "a file name with an ESC sequence in a stage's error drives the user's terminal"),
+    Mutation("remote-timeout-ignores-dvc-option", "diffusion_pipe/store/remote.py",
+             "self.timeout_s = timeout_s = float(given) if given else timeout_s", "self.timeout_s = timeout_s",
+             ("tests/store/test_remote_servers.py::test_a_frozen_sftp_server_fails_the_transfer_within_the_timeout",),
+             "the DVC remote's timeout option is ignored by the keepalives and the message (a fixed 60 s)"),
 ]
 
 

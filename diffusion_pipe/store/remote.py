@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 
 # Object stores make a single PUT visible atomically; everywhere else we upload to a temp name and rename.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "gs", "gcs", "azure", "oss"})
-# How long a remote may stay silent (connect, login, a read, a keepalive) before the operation fails. dvc-ssh's own
-# default is 30 minutes for the connection alone and none at all once connected.
+# How long a remote may stay silent (connect, login, a read, a keepalive) before the operation fails, unless the DVC
+# remote sets its own. dvc-ssh's own default is 30 minutes for the connection alone and none at all once connected.
 REMOTE_TIMEOUT_S = 60.0
 # DVC options that make dvc-ssh prompt on standard input: a pipeline stage has nobody to answer.
 _PROMPT_OPTIONS = ("ask_password", "ask_passphrase")
@@ -117,7 +117,10 @@ class Remote:
 
         # What we print and record (errors, reports, lineage, the remote-index folder's name): never a password.
         self.url = redact(url)
-        self.timeout_s = timeout_s
+        # a timeout given to the DVC remote (SSH's `timeout`, S3's `read_timeout`) is the one every wait here uses:
+        # the keepalives, the connection and what an error says
+        given = config.get("timeout") or config.get("read_timeout")
+        self.timeout_s = timeout_s = float(given) if given else timeout_s
         prompting = [o for o in _PROMPT_OPTIONS if config.get(o)]
         if prompting:
             raise StoreError(

@@ -57,10 +57,11 @@ def _in_thread(fn: Callable[[], object], limit_s: float) -> BaseException | None
 
 def test_a_frozen_sftp_server_fails_the_transfer_within_the_timeout(sftp_server: SftpServer, tmp_path: Path) -> None:
     """The server answers (a push lists and uploads), then freezes (SIGSTOP: its socket stays open, nothing
-    answers): the next transfer fails after about timeout_s, naming the remote, instead of waiting forever."""
+    answers): the next transfer fails after about the timeout the DVC remote sets (`dvc remote modify NAME
+    timeout 2`: the keepalives follow it too), naming the remote, instead of waiting forever."""
     a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
     _fill(a)
-    remote = Remote(f"ssh://u@127.0.0.1:{sftp_server.port}/store", password="pw", timeout_s=1.5)
+    remote = Remote(f"ssh://u@127.0.0.1:{sftp_server.port}/store", password="pw", timeout=2)
     assert a.push(remote, "latent") == 3
     os.kill(sftp_server.pid, signal.SIGSTOP)
     try:
