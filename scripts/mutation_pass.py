@@ -1194,6 +1194,22 @@ MUTATIONS: list[Mutation] = [
              'inputs["init_lora"] = file_input(repo, Path(params.train.init_lora))', "pass",
              ("tests/train/test_init_lora.py::test_a_run_starts_from_the_file_and_records_it",),
              "the lineage record does not say which LoRA the run started from"),
+    Mutation("ema-wrong-decay-side", "diffusion_pipe/train/ema.py",
+             "toward_masters = 1.0 - self.decay", "toward_masters = self.decay",
+             ("tests/train/test_ema.py::test_the_average_follows_the_masters_after_each_step",),
+             "the average moves by d instead of 1 - d: it follows the latest weights instead of averaging them"),
+    Mutation("ema-before-the-step", "diffusion_pipe/train/ema.py",
+             "optimizer.register_step_post_hook(", "optimizer.register_step_pre_hook(",
+             ("tests/train/test_ema.py::test_the_average_follows_the_masters_after_each_step",),
+             "the average is updated before the optimizer step, always one step behind"),
+    Mutation("ema-not-restored-on-resume", CHECKPOINT,
+             "self.ema.load(self._read_ema(path))", "self._read_ema(path)",
+             ("tests/train/test_ema.py::test_a_run_resumed_mid_way_ends_with_the_same_lora_and_average",),
+             "a resumed run restarts its average from the start weights: its EMA LoRA differs from an unbroken run's"),
+    Mutation("ema-default-in-identity", LOOP,
+             '"init_lora": "", "ema_decay": 0.0}', '"init_lora": ""}',
+             ("tests/train/test_ema.py::test_the_identity_is_unchanged_at_the_default_and_changes_with_a_decay",),
+             "ema_decay at its default enters the run identity: every run from before it starts over"),
 ]
 
 

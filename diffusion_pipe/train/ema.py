@@ -47,7 +47,8 @@ class Ema:
         if skipped != self._skipped:  # a float16 step skipped for overflow: the masters did not change
             self._skipped = skipped
             return
-        torch._foreach_lerp_(self.tensors, [m.detach() for m in self.optimizer.masters], 1.0 - self.decay)
+        toward_masters = 1.0 - self.decay  # ema + (1 - d) (w - ema) = d ema + (1 - d) w
+        torch._foreach_lerp_(self.tensors, [m.detach() for m in self.optimizer.masters], toward_masters)
 
     def state(self) -> list[torch.Tensor]:
         """The average, one fp32 tensor per master in the optimizer's order (for a checkpoint)."""

@@ -300,3 +300,25 @@ def test_export_of_a_missing_average_names_the_file(ema_run, tmp_path):
     assert out.returncode == 2
     assert "lora.ema.safetensors, which does not exist: train with train.ema_decay > 0 writes it" in out.stderr
     assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())
+
+
+def test_the_stages_say_which_dvc_yaml_lines_the_ema_needs(ema_run, tmp_path):
+    """In a repository whose dvc.yaml (the shipped one) does not list the EMA LoRA: train with an EMA is refused
+    before it trains, naming the output to add; export.ema is refused naming the dep to add."""
+    repo, store, params, runs, _, _ = ema_run
+    beside = repo / "params-ema.yaml"  # beside the repository's dvc.yaml
+    beside.write_text(params.read_text().replace("name: shapes-lora", "name: shapes-lora\n  ema: beside"))
+    out = subprocess.run([sys.executable, "-m", "stages.train", "--params", str(beside), "--runs", str(tmp_path)],
+                         cwd=repo, env=run_env(store), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "add '- runs/train/lora.ema.safetensors' under stages.train.outs" in out.stderr, \
+        out.stderr[-3000:]
+    assert not (tmp_path / "checkpoints").exists()
+    (repo / "runs/train").mkdir(parents=True)
+    for name in ("lora.safetensors", "lora.ema.safetensors"):
+        shutil.copy(runs / "out" / name, repo / "runs/train" / name)
+    out = subprocess.run([sys.executable, "-m", "stages.export", "--params", str(beside), "--out", str(tmp_path / "a")],
+                         cwd=repo, env=run_env(store), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "export.ema: runs/train/lora.ema.safetensors is not a dependency of stage " \
+                                   "'export'" in out.stderr, out.stderr[-3000:]
+    shutil.rmtree(repo / "runs/train")
+    beside.unlink()
