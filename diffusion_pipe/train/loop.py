@@ -402,6 +402,8 @@ def _write_outputs(lora_path: Path, report_path: Path, loss_plot_path: Path, che
         with naming_write_errors(ema_lora_path(lora_path)):
             _write_lora(ema_lora_path(lora_path), ema_lora, model, train, targets, report["run_id"], lineage,
                         {"diffusion_pipe.ema_decay": repr(train.ema_decay)})
+    else:  # an earlier run's EMA (outside DVC, which deletes outputs first) is not left beside this run's LoRA
+        ema_lora_path(lora_path).unlink(missing_ok=True)
     if lineage is not None:
         with naming_write_errors(checkpoint_dir / "lineage.json"):
             write_json_atomic(checkpoint_dir / "lineage.json", lineage)

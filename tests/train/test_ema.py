@@ -322,3 +322,21 @@ def test_the_stages_say_which_dvc_yaml_lines_the_ema_needs(ema_run, tmp_path):
                                    "'export'" in out.stderr, out.stderr[-3000:]
     shutil.rmtree(repo / "runs/train")
     beside.unlink()
+
+
+def test_a_run_without_an_average_leaves_no_earlier_average_beside_its_lora(tmp_path):
+    """Outside DVC (which deletes a stage's outputs first) an EMA LoRA of an earlier run would pass for this one's."""
+    from diffusion_pipe.train.loop import _write_outputs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lora.ema.safetensors").write_bytes(b"an earlier run's")
+    lora = {"m.lora_A.weight": torch.ones(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}
+    args = [out / "lora.safetensors", tmp_path / "report.json", tmp_path / "loss.csv", tmp_path / "run", lora,
+            {"run_id": "r"}, {"losses": [1.0], "grad_norms": [None]}, ModelParams(path="m"), TrainParams(), ["m"],
+            None, tmp_path / "encoded.parquet"]
+    _write_outputs(*args)
+    assert (out / "lora.safetensors").is_file() and not (out / "lora.ema.safetensors").exists()
+    args[8] = TrainParams(ema_decay=0.5)
+    _write_outputs(*args, {k: v + 1 for k, v in lora.items()})
+    assert torch.equal(load_file(out / "lora.ema.safetensors")["m.lora_A.weight"], torch.full((2, 3), 2.0))
