@@ -1195,7 +1195,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/train/test_init_lora.py::test_a_run_starts_from_the_file_and_records_it",),
              "the lineage record does not say which LoRA the run started from"),
     Mutation("ema-wrong-decay-side", "diffusion_pipe/train/ema.py",
-             "toward_masters = 1.0 - self.decay", "toward_masters = self.decay",
+             "get_ema_multi_avg_fn(decay)", "get_ema_multi_avg_fn(1.0 - decay)",
              ("tests/train/test_ema.py::test_the_average_follows_the_masters_after_each_step",),
              "the average moves by d instead of 1 - d: it follows the latest weights instead of averaging them"),
     Mutation("ema-before-the-step", "diffusion_pipe/train/ema.py",

@@ -1,9 +1,11 @@
 """`train.ema_decay`: an exponential moving average of the trained weights, kept beside the training.
 
 After every optimizer step that updates the weights, `ema = d * ema + (1 - d) * w` over the optimizer's fp32
-masters (train/optim.py `MasterWeights`), in fp32, on the masters' device, as one multi-tensor lerp. It starts
-as a copy of the masters before step 1 (after `train.init_lora`), and a float16 step skipped for overflow leaves
-it as it is. It is hooked to the optimizer (`register_step_post_hook`), so it runs exactly when the masters
+masters (train/optim.py `MasterWeights`), in fp32, on the masters' device: torch's own EMA update
+(`torch.optim.swa_utils.get_ema_multi_avg_fn`, one multi-tensor lerp). Its `AveragedModel` is not used: it
+deep-copies a module and averages the module's parameters, which here compute in bf16, not the fp32 masters. The
+average starts as a copy of the masters before step 1 (after `train.init_lora`), as torch's does, and a float16
+step skipped for overflow leaves it as it is. It is hooked to the optimizer (`register_step_post_hook`), so it runs exactly when the masters
 change, and it is no part of the optimizer's state: checkpoints keep it in a file of its own
 (train/checkpoint.py), and a resumed run continues it bit for bit.
 
@@ -17,6 +19,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from diffusion_pipe.lora_keys import ema_lora_path
 
@@ -31,6 +34,7 @@ class Ema:
         self.tensors: list[torch.Tensor] = []
         if not decay:
             return
+        self._lerp = get_ema_multi_avg_fn(decay)  # ema = decay * ema + (1 - decay) * w
         with torch.no_grad():
             self.tensors = [m.detach().clone() for m in optimizer.masters]
         self._skipped = optimizer.loss_scaler.skipped_steps
@@ -47,8 +51,7 @@ class Ema:
         if skipped != self._skipped:  # a float16 step skipped for overflow: the masters did not change
             self._skipped = skipped
             return
-        toward_masters = 1.0 - self.decay  # ema + (1 - d) (w - ema) = d ema + (1 - d) w
-        torch._foreach_lerp_(self.tensors, [m.detach() for m in self.optimizer.masters], toward_masters)
+        self._lerp(self.tensors, [m.detach() for m in self.optimizer.masters], None)
 
     def state(self) -> list[torch.Tensor]:
         """The average, one fp32 tensor per master in the optimizer's order (for a checkpoint)."""
