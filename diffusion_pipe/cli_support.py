@@ -21,11 +21,19 @@ _ENCODERS = [("model.vae", lambda p: [p.model.vae]), ("model.text_encoders", lam
 _TRANSFORMER = [("model.transformer", lambda p: [p.model.transformer])]
 # Edit families' sample prompts name control images, which training and the sample stage render from.
 _SAMPLE_CONTROLS = [("train.samples.prompts[].control", lambda p: [x.control for x in p.train.samples.prompts])]
+EMA_LORA = "runs/train/lora.ema.safetensors"  # train.ema_decay > 0: the train stage's second output
+# Outputs that a param turns on, per stage: (param name, the output, function of Params -> whether it is written).
+# dvc.yaml must list such an output exactly when it is written: DVC fails on a listed output that is missing, and
+# does not track (or restore from its cache) one that is not listed.
+_PARAM_OUTS: dict[str, list[tuple[str, str, Callable]]] = {
+    "train": [("train.ema_decay", EMA_LORA, lambda p: bool(p.train.ema_decay))],
+}
 _PARAM_PATHS: dict[str, list[tuple[str, Callable]]] = {
     "encode": [("model.path", lambda p: [p.model.path]), *_ENCODERS],
     "train": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_SAMPLE_CONTROLS,
               ("train.init_lora", lambda p: [p.train.init_lora])],
-    "export": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS],
+    "export": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS,
+               ("export.ema", lambda p: [EMA_LORA] if p.export.ema != "off" else [])],
     "sample": [("model.path", lambda p: [p.model.path]), *_TRANSFORMER, *_ENCODERS, *_SAMPLE_CONTROLS],
 }
 
@@ -57,13 +65,15 @@ def stage_command(name: str) -> Callable:
             os.environ.setdefault("DVC_NO_ANALYTICS", "1")
             if local_rank is not None:
                 os.environ.setdefault("LOCAL_RANK", str(local_rank))
-            from diffusion_pipe.dvcfile import check_params_unchanged, require_deps
+            from diffusion_pipe.dvcfile import check_params_unchanged, require_deps, require_out
             from diffusion_pipe.params import load_params
 
             try:
                 params = load_params(params_path)
                 for param, paths in stage_param_paths(name, params):
                     require_deps(params_path.parent / "dvc.yaml", name, paths, param)
+                for param, out, written in _PARAM_OUTS.get(name, []):
+                    require_out(params_path.parent / "dvc.yaml", name, out, param, written(params))
                 fn(params, **kwargs)
                 check_params_unchanged(params_path, name, params)
             except user_errors() as exc:

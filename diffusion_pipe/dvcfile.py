@@ -87,3 +87,21 @@ def require_deps(dvc_yaml: Path, stage: str, paths: list[str], param: str) -> No
                 f"{param}: {raw} is not a dependency of stage '{stage}' in {dvc_yaml.name}, so DVC would not "
                 f"notice when it changes; add '- {raw}' under stages.{stage}.deps"
             )
+
+
+def require_out(dvc_yaml: Path, stage: str, path: str, param: str, written: bool) -> None:
+    """`path` (relative to the repo) is an out of `stage` exactly when the stage writes it (`written`, as `param`
+    says); else a ConfigError naming the param and the line to add or remove. DVC fails on a listed output that
+    is not written, and neither tracks nor restores one that is not listed."""
+    outs = _stage_entry(dvc_yaml, stage, "outs")
+    if outs is None:
+        return
+    listed = path in [str(next(iter(o))) if isinstance(o, dict) else str(o) for o in outs]
+    if written and not listed:
+        raise ConfigError(f"{param}: stage '{stage}' writes {path}, which is not an output of it in {dvc_yaml.name}, "
+                          f"so DVC would neither track nor restore it; add '- {path}' under stages.{stage}.outs "
+                          "(and under the deps of the stages that read it: export, for export.ema)")
+    if listed and not written:
+        raise ConfigError(f"{param}: {path} is listed under stages.{stage}.outs in {dvc_yaml.name}, and with "
+                          f"{param} as it is stage '{stage}' does not write it (DVC would fail on the missing "
+                          "output); remove that line (and its line under other stages' deps)")

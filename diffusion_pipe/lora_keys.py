@@ -9,6 +9,7 @@ module's rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -91,3 +92,9 @@ def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[s
     whether or not it reads alpha."""
     scale = alpha / rank
     return {k: (v * scale if ".lora_B." in k else v).contiguous() for k, v in lora.items()}
+
+
+def ema_lora_path(lora_path: Path) -> Path:
+    """Where the train stage writes the EMA of the LoRA it writes to `lora_path` (`train.ema_decay`), and the
+    export stage reads it: `runs/train/lora.safetensors` -> `runs/train/lora.ema.safetensors`."""
+    return lora_path.with_name(lora_path.name.removesuffix(".safetensors") + ".ema.safetensors")

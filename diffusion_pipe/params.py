@@ -403,6 +403,7 @@ class TrainParams:
         "save_lora_every_steps": _AT_LEAST_0, "caption_dropout": Range(0, 1),
         # where the Huber losses turn from quadratic to linear, in units of the target (unit-variance latents)
         "huber_c": Range(0, 100, lo_open=True), "timestep_range": Range(0, 1),
+        "ema_decay": _FRACTION,
     }
 
     seed: int = 0
@@ -474,6 +475,10 @@ class TrainParams:
     caption_dropout: float = 0.0
     eval_every_steps: int = 0  # 0: only at the start and the end
     eval_timesteps: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    # > 0: also keep an exponential moving average of the trained weights, ema = d * ema + (1 - d) * w after each
+    # optimizer step (train/ema.py), written to runs/train/lora.ema.safetensors for export.ema (0: off; 0.999 is
+    # usual, about the last 1000 steps' weights). Evaluation and samples use the training weights
+    ema_decay: float = 0.0
     samples: SampleParams = field(default_factory=SampleParams)  # images rendered as training goes
 
     REMOVED_ATTENTION: ClassVar[str] = (
@@ -506,6 +511,9 @@ class TrainParams:
                              f"weights in CPU memory) and save_lora_every_steps (LoRA files) need adapter: lora; "
                              f"set them to 0 (they are {self.blocks_to_swap} and {self.save_lora_every_steps})")
         self._check_loss_and_timesteps()
+        if self.ema_decay and self.adapter == "full":
+            raise ConfigError(f"train.ema_decay: {self.ema_decay:g} averages LoRA adapters, and train.adapter is full; "
+                              "set ema_decay: 0, or train a LoRA")
         if self.activation_checkpointing_keep and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_keep is {self.activation_checkpointing_keep!r}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop it)")
@@ -555,6 +563,10 @@ class ExportParams:
     formats: tuple[Literal["diffusers", "comfyui", "kohya"], ...] = ("diffusers",)
     name: str = "lora"  # files are artifacts/<name>.<format>.safetensors, <name>.lineage.json, <name>.merged/
     merged: bool = False  # also write the base denoiser with the LoRA folded in (diffusers format)
+    # the EMA of the trained weights (train.ema_decay > 0): "off" exports the trained LoRA; "beside" also writes
+    # <name>.ema.<format>.safetensors and <name>.ema.lineage.json; "instead" writes the EMA under the usual names
+    # (<name>.<format>.safetensors, and <name>.merged/), so the sample stage renders it
+    ema: Literal["off", "beside", "instead"] = "off"
 
     def __post_init__(self) -> None:
         if not self.formats and not self.merged:
@@ -576,6 +588,10 @@ class Params:
     export: ExportParams = field(default_factory=ExportParams)
 
     def __post_init__(self) -> None:
+        if self.export.ema != "off" and not self.train.ema_decay:
+            raise ConfigError(f"export.ema: {self.export.ema} exports the EMA of the trained weights, and "
+                              "train.ema_decay is 0 (no EMA is kept); set train.ema_decay (e.g. 0.999), or "
+                              "export.ema: off")
         if self.train.adapter == "full":  # what a full fine-tune cannot do, across sections
             if self.model.base_dtype:
                 raise ConfigError(f"model.base_dtype: '{self.model.base_dtype}' stores frozen weights in fp8, and "

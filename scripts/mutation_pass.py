@@ -164,7 +164,8 @@ MUTATIONS: list[Mutation] = [
     # export scale
     Mutation("export-2x-alpha", "diffusion_pipe/lora_keys.py", "scale = alpha / rank", "scale = 2 * alpha / rank", EXPORT_TESTS,
              "the export stage folds 2 x alpha"),
-    Mutation("export-no-fold", EXPORT, "folded = fold_scale(lora, rank, alpha)", "folded = lora",
+    Mutation("export-no-fold", EXPORT, "loras = [(params.export.name, fold_scale(lora, rank, alpha), lineage)]",
+             "loras = [(params.export.name, lora, lineage)]",
              ("tests/export/test_export_stage.py",), "the export stage does not fold alpha/rank"),
     Mutation("train-alpha-metadata", LOOP, '"lora_alpha": str(train.lora_alpha),',
              '"lora_alpha": str(train.lora_rank),', ("tests/export/test_export_stage.py",),
@@ -1214,6 +1215,22 @@ MUTATIONS: list[Mutation] = [
              "self.timeout_s = timeout_s = float(given) if given else timeout_s", "self.timeout_s = timeout_s",
              ("tests/store/test_remote_servers.py::test_a_frozen_sftp_server_fails_the_transfer_within_the_timeout",),
              "the DVC remote's timeout option is ignored by the keepalives and the message (a fixed 60 s)"),
+    Mutation("ema-wrong-decay-side", "diffusion_pipe/train/ema.py",
+             "get_ema_multi_avg_fn(decay)", "get_ema_multi_avg_fn(1.0 - decay)",
+             ("tests/train/test_ema.py::test_the_average_follows_the_masters_after_each_step",),
+             "the average moves by d instead of 1 - d: it follows the latest weights instead of averaging them"),
+    Mutation("ema-before-the-step", "diffusion_pipe/train/ema.py",
+             "optimizer.register_step_post_hook(", "optimizer.register_step_pre_hook(",
+             ("tests/train/test_ema.py::test_the_average_follows_the_masters_after_each_step",),
+             "the average is updated before the optimizer step, always one step behind"),
+    Mutation("ema-not-restored-on-resume", CHECKPOINT,
+             "self.ema.load(self._read_ema(path))", "self._read_ema(path)",
+             ("tests/train/test_ema.py::test_a_run_resumed_mid_way_ends_with_the_same_lora_and_average",),
+             "a resumed run restarts its average from the start weights: its EMA LoRA differs from an unbroken run's"),
+    Mutation("ema-default-in-identity", LOOP,
+             '"init_lora": "", "ema_decay": 0.0}', '"init_lora": ""}',
+             ("tests/train/test_ema.py::test_the_identity_is_unchanged_at_the_default_and_changes_with_a_decay",),
+             "ema_decay at its default enters the run identity: every run from before it starts over"),
 ]
 
 

@@ -11,6 +11,8 @@ A run's checkpoint directory (`runs/checkpoints/<run id>/`) holds one `step<N>/`
   there: Prodigy's step-size estimate, a schedule-free optimizer's mode), the optimizer's per-parameter numbers
   that are not tensors (`state_scalars`, e.g. Prodigy's and Adafactor's step counts), loss scaler, LR scheduler
   and engine counters;
+- `stage<S>.ema.safetensors` (with `train.ema_decay` only): the stage's moving average of the masters, by
+  parameter name (train/ema.py), kept out of the optimizer's state;
 - `rng.safetensors`: every rank's RNG states (`rank<R>/cpu`, `rank<R>/cuda`) as uint8 tensors;
 - `state.json`: the loop's state (step, sampler position, losses, gradient norms, evaluations);
 - `manifest.json`, written last, once every rank has written its files: the xxh3-128 of each of them.
@@ -33,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +44,9 @@ from diffusion_pipe.fileio import naming_write_errors, write_bytes_atomic, write
 from diffusion_pipe.hashing import hash_bytes, hash_file
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.pipeline import Dist
+
+if TYPE_CHECKING:
+    from diffusion_pipe.train.ema import Ema
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -76,6 +82,11 @@ def expected_files(stages: int) -> set[str]:
                                                   ("safetensors", "json")}
 
 
+def optional_files(stages: int) -> set[str]:
+    """The files a checkpoint's manifest may list besides `expected_files`: the EMA's (train.ema_decay)."""
+    return {f"stage{s}.ema.safetensors" for s in range(stages)}
+
+
 def check_step_dir(path: Path, step: int) -> str | None:
     """What is wrong with the checkpoint in `path` (None: nothing): its manifest, and every file against its hash.
     Reads files; runs no code from them."""
@@ -91,7 +102,7 @@ def check_step_dir(path: Path, step: int) -> str | None:
     if missing := sorted(expected_files(stages) - set(files)):
         return f"{MANIFEST} does not list {', '.join(missing)}"
     for name, digest in sorted(files.items()):
-        if name not in expected_files(stages):  # a manifest names only our own files, never a path elsewhere
+        if name not in expected_files(stages) | optional_files(stages):  # a manifest names only our own files, never a path elsewhere
             return f"{MANIFEST} lists an unexpected file {name!r}"
         if not (path / name).is_file():
             return f"{name} is missing"
@@ -157,9 +168,10 @@ class Checkpoints:
     optimizer state (first data-parallel rank of each stage), and, on rank 0, every rank's RNG states, the loop's
     state and the manifest."""
 
-    def __init__(self, directory: Path, engine, optimizer, scheduler, dist: Dist) -> None:
+    def __init__(self, directory: Path, engine, optimizer, scheduler, dist: Dist, ema: Ema | None = None) -> None:
         self.directory, self.engine, self.optimizer, self.scheduler, self.dist = (directory, engine, optimizer,
                                                                                   scheduler, dist)
+        self.ema = ema if ema is not None and ema.enabled else None  # train.ema_decay: stage<S>.ema.safetensors
         self.stage, self.stages = engine.grid.get_stage_id(), engine.num_stages
         self.writes_stage = engine.grid.get_data_parallel_rank() == 0
         name_of = {id(p): name for name, p in engine.module.named_parameters()}
@@ -181,6 +193,9 @@ class Checkpoints:
             tensors, meta = self._stage_state()
             written |= _publish(path, f"stage{self.stage}.safetensors", save_deterministic(tensors))
             written |= _publish(path, f"stage{self.stage}.json", _json_bytes(meta))
+            if self.ema is not None:  # a file of its own: nothing in it is optimizer state
+                written |= _publish(path, f"stage{self.stage}.ema.safetensors", save_deterministic(
+                    dict(zip(self.names, self.ema.state()))))
         if rank == 0:
             rng_tensors = {f"rank{r}/{kind}": t for r, states in enumerate(rng)
                            for kind, t in states.items() if t is not None}
@@ -240,6 +255,8 @@ class Checkpoints:
             "state": optimizer_state,
             "param_groups": groups, "masters": [tensors[f"master/{name}"] for name in self.names],
             "loss_scaler": meta["loss_scaler"]})
+        if self.ema is not None:
+            self.ema.load(self._read_ema(path))
         self.scheduler.load_state_dict(meta["scheduler"])
         for key, value in meta["engine"].items():
             setattr(self.engine, key, value)
@@ -271,6 +288,24 @@ class Checkpoints:
         meta["state_scalars"] = scalars
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         return tensors, meta, load_file(path / "rng.safetensors"), state
+
+    def _read_ema(self, path: Path) -> list[torch.Tensor]:
+        """This rank's EMA tensors (train.ema_decay) from every stage's EMA file in `path`, in the optimizer's
+        order; a CheckpointError when the checkpoint was saved without an EMA."""
+        from safetensors import safe_open
+
+        stages = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["stages"]
+        found: dict[str, torch.Tensor] = {}
+        for stage in range(stages):
+            if (path / f"stage{stage}.ema.safetensors").is_file():
+                with safe_open(path / f"stage{stage}.ema.safetensors", framework="pt") as fh:
+                    found |= {key: fh.get_tensor(key) for key in fh.keys() if key in self.names}
+        if missing := [name for name in self.names if name not in found]:
+            raise CheckpointError(f"{path} holds no EMA of {len(missing)} of this run's LoRA parameters (e.g. "
+                                  f"{missing[0]}): it is a checkpoint of a run without train.ema_decay, and an "
+                                  "average cannot start mid-run; resume it with train.ema_decay: 0, or start "
+                                  "this run afresh")
+        return [found[name] for name in self.names]
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This stage's tensors (masters, the optimizer's state by parameter name) and the rest, JSON-ready."""

@@ -35,6 +35,7 @@ from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, chec
 from diffusion_pipe.train.build import build_local_model, seed_lora_dropout
 from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
+from diffusion_pipe.train.ema import Ema, ema_lora_path
 from diffusion_pipe.train.guards import diverged, step_is_finite
 from diffusion_pipe.train.lora import gather_lora
 from diffusion_pipe.train.objectives import TrainingLoss
@@ -96,7 +97,7 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 
 # Train params added after runs existed that are left out of the run identity at these (their default) values, so
 # that a run from before them still resumes; any other value is another run.
-RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0), "init_lora": ""}
+RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0}
 
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
@@ -142,8 +143,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                lineage_params: Params | None = None, resume_from: Path | None = None,
                force: bool = False, samples_dir: Path | None = None, lora_formats: tuple[str, ...] = ()) -> dict:
     """Train a LoRA on the encoded table (with train.adapter: full, every weight of the denoiser); write
-    `out_dir/lora.safetensors` (for a full fine-tune, the whole denoiser under its own names), the report and the
-    loss plot.
+    `out_dir/lora.safetensors` (for a full fine-tune, the whole denoiser under its own names), with
+    `train.ema_decay` its moving average `out_dir/lora.ema.safetensors` (train/ema.py), the report and the loss plot.
     With `lineage_params` (the whole params file), the LoRA and the final checkpoint carry a lineage record.
     An interrupted run of the same identity resumes by itself; `resume_from` continues another run's
     checkpoints, refused when its encoded table, model or parallel layout differ unless `force`.
@@ -198,6 +199,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                    checkpointing_keep=train.activation_checkpointing_keep)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, train, dist.device, scaler)
+    ema = Ema(train.ema_decay, optimizer)  # train.ema_decay > 0: updated after every optimizer step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, dp_world))
@@ -212,7 +214,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     run_id = hash_json(identity)[:16]
     checkpoint_dir = runs_root / "checkpoints" / run_id
     state = {"step": 0, "position": 0, "losses": [], "grad_norms": [], "evals": []}
-    checkpoints = Checkpoints(checkpoint_dir, engine, optimizer, scheduler, dist)
+    checkpoints = Checkpoints(checkpoint_dir, engine, optimizer, scheduler, dist, ema)
     found = choose_checkpoint(checkpoint_dir, announce=is_reporter)  # the newest intact one
     if found.path is None and resume_from is not None:
         check_resumable(resume_from, identity, force)
@@ -350,6 +352,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
     with optimizer.eval_weights():  # the weights to export (a schedule-free optimizer's average)
         lora = gather_lora(denoiser, module, full=train.adapter == "full")
+    ema_lora = ema.gather(lambda: gather_lora(denoiser, module))  # None when train.ema_decay is 0
     report = {
         "run_id": run_id, "steps": state["step"], "resumed_from": resumed_from,
         "train_loss_first": state["losses"][0], "train_loss_last": state["losses"][-1],
@@ -369,7 +372,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
     # the LoRA (small) before the final checkpoint (large): a disk that fills at the end keeps the run's product
     _written_by_rank0(dist, lambda: _write_outputs(
         out_dir / "lora.safetensors", report_path, loss_plot_path, checkpoint_dir, lora, report, state, model, train,
-        targets, lineage_params, encoded_path))
+        targets, lineage_params, encoded_path, ema_lora))
     if checkpoints.last_step != state["step"]:
         _save_final_checkpoint(save_checkpoint, out_dir / "lora.safetensors")
     if writer:
@@ -381,10 +384,11 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
 def _write_outputs(lora_path: Path, report_path: Path, loss_plot_path: Path, checkpoint_dir: Path,
                    lora: dict[str, torch.Tensor], report: dict, state: dict, model: ModelParams, train: TrainParams,
-                   targets: list[str], lineage_params: Params | None, encoded_path: Path) -> None:
-    """Rank 0's outputs of a finished run, the LoRA first: with `lineage_params`, its lineage record (in the
-    LoRA's metadata and the run's checkpoint directory), then the report and the loss plot. A file that cannot be
-    written (a full disk) is a WriteError naming it."""
+                   targets: list[str], lineage_params: Params | None, encoded_path: Path,
+                   ema_lora: dict[str, torch.Tensor] | None = None) -> None:
+    """Rank 0's outputs of a finished run, the LoRA first (and with `ema_lora`, the EMA LoRA beside it): with
+    `lineage_params`, its lineage record (in the LoRA's metadata and the run's checkpoint directory), then the
+    report and the loss plot. A file that cannot be written (a full disk) is a WriteError naming it."""
     lineage = None
     if lineage_params is not None:
         from diffusion_pipe.lineage.record import checkpoint_lineage, encoded_store_keys
@@ -394,6 +398,12 @@ def _write_outputs(lora_path: Path, report_path: Path, loss_plot_path: Path, che
         lineage = checkpoint_lineage(lineage_params, Path.cwd(), encoded_path, encoded_store_keys(encoded_path), stable)
     with naming_write_errors(lora_path):
         _write_lora(lora_path, lora, model, train, targets, report["run_id"], lineage)
+    if ema_lora is not None:
+        with naming_write_errors(ema_lora_path(lora_path)):
+            _write_lora(ema_lora_path(lora_path), ema_lora, model, train, targets, report["run_id"], lineage,
+                        {"diffusion_pipe.ema_decay": repr(train.ema_decay)})
+    else:  # an earlier run's EMA (outside DVC, which deletes outputs first) is not left beside this run's LoRA
+        ema_lora_path(lora_path).unlink(missing_ok=True)
     if lineage is not None:
         with naming_write_errors(checkpoint_dir / "lineage.json"):
             write_json_atomic(checkpoint_dir / "lineage.json", lineage)
@@ -533,8 +543,8 @@ def _mean_eval_loss(engine, batches: list, progress: tqdm, chunk: int = 8) -> fl
 
 
 def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, train: TrainParams,
-                targets: list[str], run_id: str, lineage: dict | None) -> None:
-    metadata = {
+                targets: list[str], run_id: str, lineage: dict | None, extra: dict[str, str] | None = None) -> None:
+    metadata = {**(extra or {}),
         "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
         "diffusion_pipe.adapter": train.adapter,
         "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
