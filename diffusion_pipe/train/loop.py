@@ -283,13 +283,12 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         print(f"train: warning: {warning}", file=sys.stderr)
     samples = TrainingSamples.create(train.samples, train.steps, model, encode.text_max_length, adapter, store,
                                      denoiser, module, dist, train.pipeline_stages, dp_world,
-                                     runs_root / "samples" / run_id, samples_dir, writer)
+                                     runs_root / "samples" / run_id, samples_dir, writer, optimizer.eval_weights)
     step_loras = StepLoras(train.save_lora_every_steps, train.steps, lora_formats, adapter, denoiser, module,
                            dist.rank, train.lora_rank, train.lora_alpha, runs_root / "loras" / run_id, identity, run_id)
     samples_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dp_world
     evaluate(0)
-    with optimizer.eval_weights(samples.due(state["step"])):
-        samples.render(state["step"])
+    samples.render(state["step"])
     started, first_step = time.perf_counter(), state["step"]
     bar = tqdm(total=train.steps, initial=state["step"], desc="train", unit="step", file=sys.stderr,
                disable=not is_reporter)
@@ -322,8 +321,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                                       state["step"])
             if train.eval_every_steps and state["step"] % train.eval_every_steps == 0:
                 evaluate(state["step"])
-            with optimizer.eval_weights(samples.due(state["step"])):
-                samples.render(state["step"])
+            samples.render(state["step"])
             save_now, signum, diverging = after_step(step_is_finite(loss, state["grad_norms"][-1], scaler.enabled))
             if diverging:  # before any save: the last checkpoint stays the last good one
                 raise diverged(state["step"], loss, state["grad_norms"][-1], train, checkpoints.last_step,
@@ -347,8 +345,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         loader.close()
         profiler.close()
     evaluate(state["step"])
-    with optimizer.eval_weights(samples.due(state["step"])):
-        samples.render(state["step"], final=True)
+    samples.render(state["step"], final=True)
 
     with optimizer.eval_weights():  # the weights to export (a schedule-free optimizer's average)
         lora = gather_lora(denoiser, module, full=train.adapter == "full")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -56,13 +57,14 @@ class TrainingSamples:
 
     def __init__(self, samples: SampleParams, total_steps: int, adapter: Adapter, denoiser: nn.Module,
                  module: nn.Module, dist: Dist, owners: dict[str, int], texts: dict[str, dict], run_dir: Path,
-                 publish_dir: Path | None, writer) -> None:
+                 publish_dir: Path | None, writer, eval_weights: Callable[[], ContextManager] = nullcontext) -> None:
         self.prompts = samples.resolved()
         self.steps = set(sample_steps(samples, total_steps))
         self.adapter, self.denoiser, self.module, self.dist = adapter, denoiser, module, dist
         self.owners = owners  # module name in the denoiser -> global rank that holds it (other stages only)
         self.texts = texts
         self.run_dir, self.publish_dir, self.writer = run_dir, publish_dir, writer
+        self.eval_weights = eval_weights  # entered on every rank around a render: the weights samples show
         self.serving = dist.rank != 0 and dist.rank in set(owners.values())
         self.vae = adapter.load_vae(torch.device("cpu")) if dist.rank == 0 and self.prompts else None
         self.done: set[int] = set()
@@ -71,8 +73,11 @@ class TrainingSamples:
     @classmethod
     def create(cls, samples: SampleParams, total_steps: int, model: ModelParams, text_max_length: int,
                adapter: Adapter, store: Store, denoiser: nn.Module, module: nn.Module, dist: Dist,
-               num_stages: int, dp_world: int, run_dir: Path, publish_dir: Path | None, writer) -> TrainingSamples:
-        """Check the prompts against the model and the store (before step 1), and plan who computes what."""
+               num_stages: int, dp_world: int, run_dir: Path, publish_dir: Path | None, writer,
+               eval_weights: Callable[[], ContextManager] = nullcontext) -> TrainingSamples:
+        """Check the prompts against the model and the store (before step 1), and plan who computes what.
+        `eval_weights` (the optimizer's): what the parameters hold while samples render (a schedule-free
+        optimizer's average)."""
         if samples.prompts and adapter.expert:
             raise ConfigError(f"train.samples.prompts: rendering needs every expert of the model, and this run "
                               f"trains only '{adapter.expert}'; leave the prompts empty for expert runs")
@@ -91,7 +96,7 @@ class TrainingSamples:
             texts = {text: store.get("text", key) for text, key in keys.items()}
         owners = remote_owners(adapter, denoiser, num_stages, dp_world) if num_stages > 1 else {}
         return cls(samples, total_steps, adapter, denoiser, module, dist, owners, texts, run_dir, publish_dir,
-                   writer)
+                   writer, eval_weights)
 
     def due(self, step: int) -> bool:
         """Whether `render(step)` renders the samples of `step`."""
@@ -102,10 +107,11 @@ class TrainingSamples:
         the end of training also publishes the grids to the stage's output."""
         if self.due(step):
             self.done.add(step)
-            if self.dist.rank == 0:
-                self._render(step)
-            elif self.serving:
-                _serve(self.denoiser, self.module, self.dist.device)
+            with self.eval_weights():
+                if self.dist.rank == 0:
+                    self._render(step)
+                elif self.serving:
+                    _serve(self.denoiser, self.module, self.dist.device)
         if final and self.dist.rank == 0 and self.publish_dir is not None:
             self.publish_dir.mkdir(parents=True, exist_ok=True)  # the stage's output, also without prompts
             if self.prompts:
