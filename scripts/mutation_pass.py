@@ -1093,8 +1093,9 @@ MUTATIONS: list[Mutation] = [
              (f"{OPTIMIZERS}::test_a_checkpoint_of_another_optimizer_is_refused",),
              "--resume-from a run of another optimizer loads its state into this one"),
     Mutation("identity-without-optimizer", LOOP,
-             'default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()',
-             'default_optimizer = ("optimizer", "optimizer_args")',
+             'default_recipe = tuple(k for k, v in RECIPE_DEFAULTS.items() if getattr(train, k) == v)',
+             'default_recipe = tuple(k for k, v in RECIPE_DEFAULTS.items() if k.startswith("optimizer") or '
+             'getattr(train, k) == v)',
              ("tests/train/test_resume_identity.py::test_the_optimizer_and_its_args_are_part_of_the_run",),
              "a changed optimizer or optimizer arg resumes the old run's checkpoints"),
     Mutation("prodigy-small-lr-not-warned", LOOP, 'if train.optimizer == "prodigy" and train.learning_rate < 0.1:',
@@ -1152,8 +1153,8 @@ MUTATIONS: list[Mutation] = [
              "            with optimizer.eval_weights():",
              ("tests/train/test_loss_and_timesteps.py::test_a_huber_run_trains_on_its_loss_and_evaluates_mse",),
              "a Huber run's eval loss is Huber, not comparable with other runs'"),
-    Mutation("recipe-param-out-of-identity", LOOP, 'RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1,',
-             'RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.3,',
+    Mutation("recipe-param-out-of-identity", LOOP, '"optimizer_args": AdamWArgs(), "loss": "mse", "huber_c": 0.1,',
+             '"optimizer_args": AdamWArgs(), "loss": "mse", "huber_c": 0.3,',
              ("tests/train/test_resume_identity.py::test_every_train_param_is_in_the_run_identity_or_allowed_to_change_on_resume",),
              "a changed huber_c resumes the old run's checkpoints"),
     # issue 36: init_lora

@@ -27,7 +27,7 @@ from diffusion_pipe.models import load_adapter
 from diffusion_pipe.fileio import (WriteError, atomic_writer, naming_write_errors, write_bytes_atomic,
                                    write_json_atomic)
 from diffusion_pipe.hashing import hash_file, hash_json
-from diffusion_pipe.params import EncodeParams, ModelParams, Params, TrainParams
+from diffusion_pipe.params import AdamWArgs, EncodeParams, ModelParams, Params, TrainParams
 from diffusion_pipe.store import Store
 from diffusion_pipe.tensorfile import save_deterministic
 from diffusion_pipe.train.data import (DataError, MicroBatches, Prefetcher, check_entries, eval_batches, read_rows,
@@ -97,7 +97,8 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 
 # Train params added after runs existed that are left out of the run identity at these (their default) values, so
 # that a run from before them still resumes; any other value is another run.
-RECIPE_DEFAULTS = {"loss": "mse", "huber_c": 0.1, "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0}
+RECIPE_DEFAULTS = {"optimizer": "adamw", "optimizer_args": AdamWArgs(), "loss": "mse", "huber_c": 0.1,
+                   "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0}
 
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
@@ -108,11 +109,10 @@ def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, tex
     one value left and is kept out so that runs from when it had two continue)."""
     cadence = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "samples",
                "save_lora_every_steps", "swap_prefetch", "attention")
-    # today's optimizer is the one of every run from before train.optimizer existed, whose identity lacks the keys
-    default_optimizer = ("optimizer", "optimizer_args") if train.optimizer == "adamw" else ()
-    # likewise the loss and schedule options and init_lora, at their defaults (today's training)
+    # the optimizer, loss and schedule options, init_lora and EMA at their defaults: today's training, which every
+    # run from before they existed had, and whose identity lacks the keys
     default_recipe = tuple(k for k, v in RECIPE_DEFAULTS.items() if getattr(train, k) == v)
-    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_optimizer + default_recipe}
+    train_dict = {k: v for k, v in to_dict(train).items() if k not in cadence + default_recipe}
     # the start LoRA's content, not only its path, defines the run (a missing file fails before training)
     start = Path(train.init_lora)
     init_lora = {"init_lora": hash_file(start)} if train.init_lora and start.is_file() else {}
