@@ -13,14 +13,14 @@ Row rules, in order (the first that applies sets `status='excluded'` and `reason
    cat.jpg), 'control_not_image' (a video), or 'control_<reason>' for a control file that fails rule 1
    ('control_corrupt', 'control_outside_root', 'control_broken_symlink', ...). An item never trains without
    its control image;
-3b. the mask, for an item with `<name>.mask.png` beside it: 'mask_<reason>' for a mask file that fails rule 1,
-   'mask_not_image' (animated), 'mask_on_video' (masks apply to images only), 'mask_aspect' (its aspect ratio is
-   not its image's). These stop the scan with a ScanError naming the mask (scanner._check_masks): a mask is
+3b. the mask, for an item with `<name>.mask.png` beside it: 'mask_<reason>' for a mask file that fails
+   rule 1, 'mask_not_image' (animated), 'mask_on_video' (masks apply to images only), 'mask_aspect' (its aspect
+   ratio is not its image's). These stop the scan with a ScanError naming the mask (scanner._check_masks): a mask is
    never silently dropped, nor its item trained unmasked;
 4. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
    fits);
-5. 'duplicate': the same bytes (and the same control images' and mask's bytes) as an earlier ok item (by path) *of the same
-   dataset*. The first copy trains,
+5. 'duplicate': the same bytes (and the same control images' and mask's bytes) as an earlier ok item (by path)
+   *of the same dataset*. The first copy trains,
    later copies are excluded, so an image is not trained twice per epoch by accident. Copies in different
    datasets are all kept (datasets may deliberately share images with other captions or resolutions); every
    duplicate group is counted in the report either way.

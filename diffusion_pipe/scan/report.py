@@ -3,8 +3,8 @@
 Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
 whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
 buckets (ok items per bucket), video_windows (the windows ok videos train as), tag_orders (the distinct tag
-orders ok captions train as, with shuffle_tags), masked (ok items with a loss mask), samples_per_epoch (train items x buckets x windows x
-repeats). Top level also:
+orders ok captions train as, with shuffle_tags), masked (ok items with a loss mask), samples_per_epoch (train
+items x buckets x windows x repeats). Top level also:
 excluded_examples (first paths per reason, with the error), excluded_first (the first excluded rows in manifest
 order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
