@@ -213,6 +213,7 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
     _check_masks(final, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
+    warnings += [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in _orphan_masks(lst)]
     warnings += [f"dataset {spec.name} control: {w}" for spec, lst in zip(specs, controls) if lst is not None
                  for w in lst.warnings]
     warnings += [f"dataset {spec.name}: {note}" for spec in specs
@@ -308,6 +309,13 @@ def _check_captions(rows: Any, specs: Sequence[DatasetSpec]) -> None:
             )
     if problems:
         raise ScanError("\n".join(problems))
+
+
+def _orphan_masks(listing: Listing) -> list[str]:
+    """A warning for each mask file (`<name>.mask.png`) with no media file of its name beside it."""
+    media = {item_stem(rel) for rel, kind in zip(listing.rels, listing.kinds) if kind == "media"}
+    return [f"mask {rel} has no image beside it (no {item_stem(rel)}.<image extension>); it is not used"
+            for rel, kind in zip(listing.rels, listing.kinds) if kind == "mask" and item_stem(rel) not in media]
 
 
 def _check_masks(rows: Any, specs: Sequence[DatasetSpec]) -> None:

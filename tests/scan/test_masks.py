@@ -98,3 +98,13 @@ def test_a_bad_mask_stops_the_scan_naming_it(tmp_path: Path, case: str, match: s
     with pytest.raises(ScanError, match=match):
         _scan(tmp_path, ds)
     assert not (tmp_path / "out/manifest.parquet").exists()  # nothing written: the item never trains unmasked
+
+
+def test_a_mask_without_its_image_is_a_warning(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    make_image(ds / "cat.png", size=(64, 48))
+    _mask(ds / "cta.mask.png", (64, 48))  # a typo
+    rows, report = _scan(tmp_path, ds)
+    assert sorted(rows) == ["cat.png"] and rows["cat.png"]["mask_path"] == ""
+    assert [w.split(": ", 1)[1] for w in report["warnings"]] == [
+        "mask cta.mask.png has no image beside it (no cta.<image extension>); it is not used"]

@@ -112,3 +112,27 @@ def test_mask_min_weight_param_and_the_run_identity(tmp_path: Path) -> None:
     path.write_text(base + "train: {mask_min_weight: 1.5}\n")
     with pytest.raises(ConfigError, match=r"train\.mask_min_weight"):
         load_params(path)
+
+
+def test_a_missing_or_misshapen_mask_entry_is_named_before_step_1(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    from diffusion_pipe.models.flux import FluxAdapter
+    from diffusion_pipe.store import Store
+    from diffusion_pipe.train.data import DataError, check_entries
+
+    adapter = FluxAdapter(tiny_flux_dir, torch.float32)
+    store = Store(tmp_path / "store")
+    latent = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in adapter.latent_spec(32, 32, 1).items()}
+    text = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in adapter.text_spec(16).items()}
+    with store.writer("latent") as writer:
+        writer.add("l", latent)
+    with store.writer("text") as writer:
+        writer.add("t", text)
+    with store.writer("mask") as writer:
+        writer.add("good", {"mask": torch.ones(1, 8, 8)})  # 32 pixels, 4 per latent cell
+        writer.add("bad", {"mask": torch.ones(1, 16, 16)})  # made for another grid
+    check_entries([Row("s", "32x32x1", 1, "l", "t", mask_key="good"), Row("u", "32x32x1", 1, "l", "t")], store,
+                  adapter, 16)
+    with pytest.raises(DataError, match=r"mask entry bad of sample s holds .*\(1, 16, 16\).*expects .*\(1, 8, 8\)"):
+        check_entries([Row("s", "32x32x1", 1, "l", "t", mask_key="bad")], store, adapter, 16)
+    with pytest.raises(DataError, match=r"mask entry gone of sample s is not in the store"):
+        check_entries([Row("s", "32x32x1", 1, "l", "t", mask_key="gone")], store, adapter, 16)
