@@ -318,6 +318,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     texts = {c: text_key_of(c) for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}
     reads_image = adapter.capabilities.text_reads_conditioning
     samples = []
+    factors: dict[str, int] = {}  # pixels per latent cell by bucket, for the masks' keys
     for row in rows:
         check_media(row, adapter)
         check_conditioning(row, adapter)
@@ -338,8 +339,10 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                         vae_dtype=model.dtype, frames=conditioning_frames(adapter, "image", frames))
                              for h in row.get("control_hashes") or ())
             own_first_frame = bool(rule) and not controls  # an i2v family without a declared first frame
+            if mask_hash and bucket not in factors:
+                factors[bucket] = latent_factor(adapter, bucket)
             mkey = mask_key(mask_hash=mask_hash, bucket=bucket, resize=MASK_RESIZE_SPEC,
-                            latent_factor=latent_factor(adapter, bucket)) if mask_hash else ""
+                            latent_factor=factors[bucket]) if mask_hash else ""
             stride = row.get("frame_stride") or 1
             for start in row.get("frame_starts") or (0,):  # a clip's windows: a sample and a latent each
                 lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
