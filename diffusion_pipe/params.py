@@ -402,7 +402,7 @@ class TrainParams:
         "eval_every_steps": _AT_LEAST_0, "eval_timesteps": Range(0, 1),  # a fraction of the noise schedule
         "save_lora_every_steps": _AT_LEAST_0, "caption_dropout": Range(0, 1),
         # where the Huber losses turn from quadratic to linear, in units of the target (unit-variance latents)
-        "huber_c": Range(0, 100, lo_open=True), "timestep_range": Range(0, 1),
+        "huber_c": Range(0, 100, lo_open=True), "timestep_range": Range(0, 1), "mask_min_weight": Range(0, 1),
         "ema_decay": _FRACTION,
     }
 
@@ -444,6 +444,10 @@ class TrainParams:
     # [min, max]: training timesteps are drawn only in this part of the noise schedule (0 clean, 1 pure noise), for
     # every timestep_sampling, after flow_shift; eval timesteps are not affected
     timestep_range: tuple[float, float] = (0.0, 1.0)
+    # loss masks (`<name>.mask.png` beside an image, white = learn, black = ignore): each latent element weighs
+    # mask_min_weight + (1 - mask_min_weight) x mask, so a little of the black background is still learned; only
+    # samples with a mask are weighted
+    mask_min_weight: float = 0.0
     pipeline_stages: int = 1
     activation_checkpointing: bool = False
     # With activation_checkpointing: the share of each stage's layers that recompute their activations in

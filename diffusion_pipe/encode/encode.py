@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from diffusion_pipe.bucket_labels import bucket_label, parse_bucket
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.encode.keys import latent_key, text_key
-from diffusion_pipe.encode.media import RESIZE_SPEC, frames_spec, load_pixels_uint8, to_unit_range
+from diffusion_pipe.encode.keys import latent_key, mask_key, text_key
+from diffusion_pipe.encode.media import (MASK_RESIZE_SPEC, RESIZE_SPEC, frames_spec, load_mask, load_pixels_uint8,
+                                         to_unit_range)
 from diffusion_pipe.encode.workers import WorkerLayout, wait_for_entries
 from diffusion_pipe.fileio import atomic_writer, write_json_atomic
 from diffusion_pipe.hashing import hash_file
@@ -62,6 +63,8 @@ LOSS_WEIGHT_FIELD = pa.field("loss_weight", pa.float64())
 # With train.caption_dropout > 0, a family whose text encoder reads the sample's image drops a caption to the empty
 # caption read with that same image: each sample's own empty-caption entry (other families share one, not a row).
 EMPTY_TEXT_FIELD = pa.field("empty_text_key", pa.string())
+# A sample's loss mask at latent resolution (`<name>.mask.png`): only in tables with a masked sample.
+MASK_FIELD = pa.field("mask_key", pa.string())
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class Sample:
     loss_weight: float = 1.0
     condition_frames: int = 0  # conditioning made by the family's rule (i2v), at this many frames; 0: as it is
     empty_text_key: str = ""  # the empty caption read with its image (caption dropout, text_reads_conditioning)
+    mask_path: str = ""  # its loss mask, relative to the dataset root, and the mask's key at this bucket
+    mask_key: str = ""
 
     @property
     def sample_id(self) -> str:
@@ -127,6 +132,35 @@ def latent_sources(samples: list[Sample], roots: dict[str, Path], control_roots:
                 out.setdefault(key, LatentSource(key, item, s.media, s.bucket, s.frame_start, 1,
                                                  condition_frames=s.condition_frames))
     return out
+
+
+@dataclass(frozen=True)
+class MaskSource:
+    """What one mask entry is made from: a mask file, for a bucket of this many pixels and latent cells."""
+
+    key: str
+    path: Path
+    bucket: str
+    latent_factor: int
+
+
+def mask_sources(samples: list[Sample], roots: dict[str, Path], factors: dict[str, int]) -> dict[str, MaskSource]:
+    """Every mask key the samples need, each with the first mask file naming it (`factors`: the latent factor of
+    each bucket)."""
+    return {s.mask_key: MaskSource(s.mask_key, roots[s.dataset] / s.mask_path, s.bucket, factors[s.bucket])
+            for s in reversed(samples) if s.mask_key}
+
+
+def latent_factor(adapter: Adapter, bucket: str) -> int:
+    """Pixels per latent cell along a side at `bucket`, from the family's latent spec (the stored latents' last
+    two axes are its grid: a family that packs 2x2 cells into channels stores a coarser grid than its VAE's)."""
+    width, height, frames = parse_bucket(bucket)
+    shape = adapter.latent_spec(width, height, frames)["latents"][0]
+    grid_h, grid_w = shape[-2], shape[-1]
+    if not grid_h or height % grid_h or width % grid_w or height // grid_h != width // grid_w:
+        raise ConfigError(f"model family '{adapter.name}' stores latents of {shape} for bucket {bucket}, which is "
+                          "not a whole number of pixels per latent cell: it can't train with loss masks")
+    return height // grid_h
 
 
 @dataclass(frozen=True)
@@ -284,9 +318,11 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
     texts = {c: text_key_of(c) for row in rows for c in (row["caption"], *(row.get("caption_variants") or ()))}
     reads_image = adapter.capabilities.text_reads_conditioning
     samples = []
+    factors: dict[str, int] = {}  # pixels per latent cell by bucket, for the masks' keys
     for row in rows:
         check_media(row, adapter)
         check_conditioning(row, adapter)
+        mask_hash = row.get("mask_hash") or ""  # a manifest of before masks (version < 5) has no column
         tkey = texts[row["caption"]]
         vkeys = tuple(texts[c] for c in row.get("caption_variants") or ())
         for bucket in row["buckets"]:
@@ -303,6 +339,10 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                         vae_dtype=model.dtype, frames=conditioning_frames(adapter, "image", frames))
                              for h in row.get("control_hashes") or ())
             own_first_frame = bool(rule) and not controls  # an i2v family without a declared first frame
+            if mask_hash and bucket not in factors:
+                factors[bucket] = latent_factor(adapter, bucket)
+            mkey = mask_key(mask_hash=mask_hash, bucket=bucket, resize=MASK_RESIZE_SPEC,
+                            latent_factor=factors[bucket]) if mask_hash else ""
             stride = row.get("frame_stride") or 1
             for start in row.get("frame_starts") or (0,):  # a clip's windows: a sample and a latent each
                 lkey = latent_key(content_hash=row["content_hash"], bucket=bucket, resize=RESIZE_SPEC,
@@ -324,7 +364,7 @@ def plan_samples(manifest: pa.Table, adapter: Adapter, model: ModelParams, encod
                                       tuple(row.get("control_paths") or ()), ckeys, start, stride,
                                       tuple(row.get("caption_variants") or ()), vkeys,
                                       row.get("loss_weight", 1.0), frames if rule else 0,
-                                      ekey))
+                                      ekey, row.get("mask_path") or "" if mkey else "", mkey))
     return sorted(samples, key=lambda s: s.sample_id)
 
 
@@ -473,6 +513,25 @@ def _encode_texts(adapter: Adapter, todo: dict[str, TextSource], store: Store, e
     return written, packs, time.perf_counter() - started
 
 
+def _encode_masks(sources: list[MaskSource], store: Store, encode: EncodeParams) -> tuple[int, list[str], float]:
+    """Make the mask entries of `sources` on the CPU (decode, crop as its image, area mean to latent cells): no
+    model is loaded. Returns (entries written, packs, seconds)."""
+    started = time.perf_counter()
+    chunk = 64
+
+    def batches() -> Iterator[list[tuple[str, TensorDict]]]:
+        for i in range(0, len(sources), chunk):
+            part = sources[i:i + chunk]
+            out = []
+            for s in part:
+                width, height, _ = parse_bucket(s.bucket)
+                out.append((s.key, {"mask": load_mask(s.path, width, height, s.latent_factor)}))
+            yield out
+
+    written, packs = _publish(store, "mask", encode, batches(), len(sources), "encode masks", "mask")
+    return written, packs, time.perf_counter() - started
+
+
 def _publish(store: Store, family: str, encode: EncodeParams, batches: Iterator[list[tuple[str, TensorDict]]],
              total: int, desc: str, unit: str) -> tuple[int, list[str]]:
     """Write the (key, entry) batches that `batches` computes into the store, through a background writer and
@@ -495,13 +554,14 @@ _OPTIONAL_COLUMNS = (
     (VARIANTS_FIELD, lambda s: list(s.variant_keys), []),
     (LOSS_WEIGHT_FIELD, lambda s: s.loss_weight, 1.0),
     (EMPTY_TEXT_FIELD, lambda s: s.empty_text_key, ""),
+    (MASK_FIELD, lambda s: s.mask_key, ""),
 )
 
 
 def write_encoded_table(samples: list[Sample], path: Path) -> None:
     """The stage output, written atomically and deterministically (no timestamps, fixed schema, sorted); an
     optional column (control images' latent keys, tag orders' text keys, loss weights, empty captions read with
-    each sample's image) is added when a sample has a value for it other than its default."""
+    each sample's image, loss masks' keys) is added when a sample has a value for it other than its default."""
     columns = [(f, value) for f, value, default in _OPTIONAL_COLUMNS if any(value(s) != default for s in samples)]
     schema = ENCODED_SCHEMA
     for f, _ in columns:
@@ -632,7 +692,10 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
                                                       bucket_label(t.width, t.height, 1)) if t.control else None)
                  for t, key in sample_text_keys(adapter, model, encode.text_max_length,
                                                 (*prompt_texts(adapter, sample_prompts), *empty)).items()}
+    masks = mask_sources(samples, roots, {s.bucket: latent_factor(adapter, s.bucket) for s in samples if s.mask_key})
     wanted = {"latent": sorted(sources), "text": sorted(captions)}
+    if masks:  # a family of its own, only where there are masks: the report of a run without is what it was
+        wanted["mask"] = sorted(masks)
     counts = {fam: FamilyCounts(entries=len(keys)) for fam, keys in wanted.items()}
     todo: dict[str, list[str]] = {}
     # The lease lasts until the table naming the entries is published: gc keeps nothing it does not see named
@@ -668,8 +731,14 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
                     adapter, {k: captions[k] for k in work["text"]}, store, encode, device)
                 c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
             t2 = time.perf_counter()
+            if work.get("mask"):
+                c = counts["mask"]
+                computed, _, seconds = _encode_masks([masks[k] for k in work["mask"]], store, encode)
+                c.computed, c.encode_seconds = c.computed + computed, c.encode_seconds + seconds
             counts["latent"].seconds += t1 - t0
             counts["text"].seconds += t2 - t1
+            if "mask" in counts:
+                counts["mask"].seconds += time.perf_counter() - t2
 
         # Another encode into this store (another clone, another run) may be computing some of these keys: wait
         # for those instead of computing them twice, and compute them here only if it stops without them.
@@ -709,6 +778,7 @@ def encode_manifest(model: ModelParams, scan: ScanParams, encode: EncodeParams, 
         "samples": len(samples),
         "samples_by_split": {split: sum(s.split == split for s in samples) for split in ("train", "eval")},
         "conditioning_latents": len({k for s in samples for k in s.conditioning_keys}),
+        **({"masked_samples": sum(bool(s.mask_key) for s in samples)} if masks else {}),
         **{fam: c.as_report() for fam, c in counts.items()},
         "truncated_captions": truncated,
         "remote": remote.url if remote is not None else None,

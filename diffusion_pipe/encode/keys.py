@@ -80,3 +80,23 @@ def text_key(
             **({"image": image} if image is not None else {}),
         }
     )
+
+
+def mask_key(*, mask_hash: str, bucket: str, resize: str, latent_factor: int) -> str:
+    """Key of one loss mask at one bucket, at latent resolution.
+
+    `mask_hash` is the xxh3-128 of the mask file's bytes; `bucket` the bucket its image trains at; `resize` the
+    mask's crop/resize/downsampling rule (`encode.media.MASK_RESIZE_SPEC`); `latent_factor` the pixels per latent
+    cell along a side. The VAE's weights do not change a mask's bytes, so they are not part of its key: editing a
+    mask recomputes that one entry, and no latent.
+    """
+    return hash_json(
+        {
+            "family": "mask",
+            "format_version": FORMAT_VERSION,
+            "mask_hash": mask_hash,
+            "bucket": bucket,
+            "resize": resize,
+            "latent_factor": latent_factor,
+        }
+    )

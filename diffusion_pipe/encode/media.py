@@ -45,12 +45,19 @@ def frames_spec(media: str, frames: int, start: int = 0, stride: int = 1) -> dic
     return {"count": frames}
 
 
+def cover_crop_geometry(src_width: int, src_height: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """(resized width, resized height, left, top): the size a picture is resized to so that it covers the
+    bucket, and the corner of the centred bucket-sized crop. The one geometry of images, control images and
+    loss masks (a mask lands where its image does)."""
+    scale = max(width / src_width, height / src_height)
+    rw, rh = max(width, round(src_width * scale)), max(height, round(src_height * scale))
+    return rw, rh, (rw - width) // 2, (rh - height) // 2
+
+
 def _cover_crop_uint8(im: Image.Image, width: int, height: int) -> torch.Tensor:
     """(3, height, width) uint8 from an RGB image: resized to cover the bucket, centre-cropped."""
-    scale = max(width / im.width, height / im.height)
-    rw, rh = max(width, round(im.width * scale)), max(height, round(im.height * scale))
+    rw, rh, left, top = cover_crop_geometry(im.width, im.height, width, height)
     im = im.resize((rw, rh), Image.Resampling.LANCZOS)  # Pillow returns a copy when the size already fits
-    left, top = (rw - width) // 2, (rh - height) // 2
     im = im.crop((left, top, left + width, top + height))
     return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
@@ -142,3 +149,46 @@ def load_pixels_uint8(path: Path, media: str, width: int, height: int, frames: i
 def load_pixels(path: Path, media: str, width: int, height: int, frames: int) -> torch.Tensor:
     """(3, frames, height, width) float32 in [-1, 1] for a manifest item of kind `media` ('image' or 'video')."""
     return to_unit_range(load_pixels_uint8(path, media, width, height, frames))
+
+
+# How a loss mask becomes its latent-resolution weights: greyscale in [0, 1] (white 1 = learn, black 0 = ignore),
+# resized and centre-cropped with its image's geometry (`cover_crop_geometry`) by a box filter (no ringing outside
+# [0, 1]), then averaged over each latent cell's pixels (an area mean). Enters every mask key.
+MASK_RESIZE_SPEC = "grey/cover+center-crop/box/pil/area-mean"
+
+
+def _mask_grey(im: Image.Image, path: Path) -> np.ndarray:
+    """A mask's pixels as float32 in [0, 1]; a MediaError naming the file for a mask that is not greyscale (a
+    colour image, or one with transparency: which would white or black mean?)."""
+    mode = im.mode
+    if mode in ("1", "L"):
+        return np.asarray(im.convert("L"), dtype=np.float32) / 255.0
+    if mode.startswith("I"):  # 16-bit PNG
+        return np.clip(np.asarray(im, dtype=np.float32) / 65535.0, 0.0, 1.0)
+    if mode == "F":
+        return np.clip(np.asarray(im, dtype=np.float32), 0.0, 1.0)
+    if mode in ("P", "PA", "LA", "RGB", "RGBA"):
+        has_alpha = mode in ("PA", "LA", "RGBA") or (mode == "P" and "transparency" in im.info)
+        rgba = np.asarray(im.convert("RGBA"), dtype=np.uint8)
+        if has_alpha and (rgba[..., 3] != 255).any():
+            raise MediaError(f"{path}: a loss mask with transparency; save it as an opaque greyscale PNG (white = "
+                             "learn, black = ignore)")
+        if (rgba[..., 0] != rgba[..., 1]).any() or (rgba[..., 1] != rgba[..., 2]).any():
+            raise MediaError(f"{path}: a loss mask in colour; save it as a greyscale PNG (white = learn, black = "
+                             "ignore)")
+        return rgba[..., 0].astype(np.float32) / 255.0
+    raise MediaError(f"{path}: a loss mask of image mode {mode!r}, which is not greyscale; save it as a greyscale "
+                     "PNG (white = learn, black = ignore)")
+
+
+def load_mask(path: Path, width: int, height: int, latent_factor: int) -> torch.Tensor:
+    """(1, height // latent_factor, width // latent_factor) float32 in [0, 1]: the mask at `path` (EXIF-oriented
+    like its image) through MASK_RESIZE_SPEC for a bucket of `width` x `height` pixels."""
+    with Image.open(path) as im:
+        grey = _mask_grey(ImageOps.exif_transpose(im), Path(path))
+    rw, rh, left, top = cover_crop_geometry(grey.shape[1], grey.shape[0], width, height)
+    resized = Image.fromarray(grey).resize((rw, rh), Image.Resampling.BOX)
+    pixels = torch.from_numpy(np.asarray(resized.crop((left, top, left + width, top + height)),
+                                         dtype=np.float32).copy())
+    cells = torch.nn.functional.avg_pool2d(pixels[None, None], latent_factor)[0]
+    return cells.clamp_(0.0, 1.0).contiguous()

@@ -27,11 +27,13 @@ from typing import Literal, NamedTuple
 from diffusion_pipe.scan.media import IMAGE_EXTS, VIDEO_EXTS
 
 StatKey = tuple[int, int, int]  # (size, mtime_ns, inode): a file whose key is unchanged is not re-probed
-Kind = Literal["media", "caption"]
+Kind = Literal["media", "caption", "mask"]
+# An item's loss mask lies beside it: `cat.png` + `cat.mask.png` (any case). Such a file is never an item itself.
+MASK_SUFFIX = ".mask.png"
 
 
 class Entry(NamedTuple):
-    """One media or caption file found under a dataset root."""
+    """One media, caption or mask file found under a dataset root."""
 
     rel: str  # POSIX path relative to the dataset root
     path: str  # the path to open (root joined with rel)
@@ -137,6 +139,8 @@ def list_dataset(root: str, follow_outside_links: bool = False, caption_extensio
             if kind is None:
                 out.ignored_files += 1
                 continue
+            if kind == "media" and name[-9:].lower() == MASK_SUFFIX:
+                kind = "mask"
             try:
                 st = de.stat()
             except OSError as exc:

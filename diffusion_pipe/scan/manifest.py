@@ -13,10 +13,14 @@ Row rules, in order (the first that applies sets `status='excluded'` and `reason
    cat.jpg), 'control_not_image' (a video), or 'control_<reason>' for a control file that fails rule 1
    ('control_corrupt', 'control_outside_root', 'control_broken_symlink', ...). An item never trains without
    its control image;
+3b. the mask, for an item with `<name>.mask.png` beside it: 'mask_<reason>' for a mask file that fails
+   rule 1, 'mask_not_image' (animated), 'mask_on_video' (masks apply to images only), 'mask_aspect' (its aspect
+   ratio is not its image's). These stop the scan with a ScanError naming the mask (scanner._check_masks): a mask is
+   never silently dropped, nor its item trained unmasked;
 4. the buckets: 'too_short' (a video shorter than every frame bucket), 'too_small' (never_upscale and no bucket
    fits);
-5. 'duplicate': the same bytes (and the same control images' bytes) as an earlier ok item (by path) *of the same
-   dataset*. The first copy trains,
+5. 'duplicate': the same bytes (and the same control images' and mask's bytes) as an earlier ok item (by path)
+   *of the same dataset*. The first copy trains,
    later copies are excluded, so an image is not trained twice per epoch by accident. Copies in different
    datasets are all kept (datasets may deliberately share images with other captions or resolutions); every
    duplicate group is counted in the report either way.
@@ -48,10 +52,12 @@ from diffusion_pipe.hashing import hash_bytes
 from diffusion_pipe.params import DatasetParams
 from diffusion_pipe.scan.buckets import Bucket, frame_windows, item_buckets
 from diffusion_pipe.scan.captions import CaptionRead, resolve_caption, tag_orders
-from diffusion_pipe.scan.files import Entry
+from diffusion_pipe.scan.files import MASK_SUFFIX, Entry
 from diffusion_pipe.scan.media import Probe, media_kind
 
-MANIFEST_VERSION = "4"  # 2: control_paths, control_hashes; 3: frame_starts, frame_stride; 4: caption_variants, loss_weight
+# 2: control_paths, control_hashes; 3: frame_starts, frame_stride; 4: caption_variants, loss_weight; 5: mask_path,
+# mask_hash. Readers take a missing column as its empty value (an older manifest has no masks).
+MANIFEST_VERSION = "5"
 
 SCHEMA = pa.schema(
     [
@@ -81,6 +87,10 @@ SCHEMA = pa.schema(
         # the caption's tag orders that train in its place (scan.datasets[].shuffle_tags; captions.py), [] for none
         pa.field("caption_variants", pa.list_(pa.string()), nullable=False),
         pa.field("loss_weight", pa.float64(), nullable=False),  # scan.datasets[].loss_weight
+        # the item's loss mask (`<name>.mask.png` beside it, relative to the dataset root) and its content hash;
+        # '' for an item without a mask (which weighs 1 everywhere)
+        pa.field("mask_path", pa.string(), nullable=False),
+        pa.field("mask_hash", pa.string(), nullable=False),
     ],
     metadata={b"diffusion_pipe.manifest_version": MANIFEST_VERSION.encode()},
 )
@@ -130,6 +140,8 @@ class Row:
     frame_stride: int = 1
     caption_variants: tuple[str, ...] = ()
     loss_weight: float = 1.0
+    mask_path: str = ""
+    mask_hash: str = ""
     detail: str = ""
     caption_missing: bool = False
 
@@ -144,7 +156,9 @@ def split_for(content_hash: str, eval_fraction: float) -> str:
 def item_stem(rel: str) -> str:
     """'dir/name' of 'dir/name.ext' (os.path.splitext's answer for the names a listing holds, which all have
     a media or caption extension; cheaper, as this runs twice per item). An item's caption and control image
-    are the files of its stem."""
+    are the files of its stem, and so is its mask ('dir/name.mask.png')."""
+    if rel[-9:].lower() == MASK_SUFFIX:  # 'dir/name.mask.png': the mask of 'dir/name.<ext>'
+        return rel[:-9]
     stem, dot, _ = rel.rpartition(".")
     return stem if dot and not stem.endswith("/") and stem else rel
 
@@ -207,12 +221,44 @@ def match_control(candidates: Sequence[tuple[Entry, Probe]]) -> ControlMatch:
     return ControlMatch(path=entry.rel, content_hash=probe.content_hash)
 
 
+def masks_by_stem(entries: Sequence[Entry], results: dict[str, Probe | CaptionRead]) -> dict[str, tuple[Entry, Probe]]:
+    """The dataset's mask files (`<name>.mask.png`) by the stem of the item they mask, each with its probe (a
+    listing problem becomes a probe with that reason)."""
+    out: dict[str, tuple[Entry, Probe]] = {}
+    for e in entries:
+        if e.kind != "mask":
+            continue
+        probe = Probe(media="image", reason=e.problem, detail=e.detail) if e.problem else results[e.rel]
+        assert isinstance(probe, Probe), e.rel
+        out[item_stem(e.rel)] = (e, probe)
+    return out
+
+
+def check_mask(item: Probe, entry: Entry, mask: Probe) -> tuple[str, str]:
+    """(reason, detail) of a mask that can't weigh its item ('' when it can): rule 3b of the module docstring.
+    The scan stops on any of these (`scanner._check_masks`). Pure."""
+    if mask.reason:
+        return f"mask_{mask.reason}", f"{entry.rel}: {mask.detail or mask.reason}"
+    if mask.media != "image":
+        return "mask_not_image", f"{entry.rel} is an animation; a mask is one greyscale image"
+    if item.media != "image":
+        return "mask_on_video", (f"{entry.rel} masks a video; masks apply to images only (a video trains "
+                                 "unmasked): remove the mask")
+    # the same aspect as the image, up to rounding of a mask saved at another resolution: |mw h - mh w| is at
+    # most (w + h) / 2 when mw = w s and mh = h s are each rounded to an integer
+    if 2 * abs(mask.width * item.height - mask.height * item.width) > item.width + item.height:
+        return "mask_aspect", (f"{entry.rel} is {mask.width}x{mask.height} but its image is {item.width}x"
+                               f"{item.height}: a mask must have its image's aspect ratio (ideally its size)")
+    return "", ""
+
+
 def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, Probe | CaptionRead],
                control_entries: Sequence[Entry] = (), control_results: dict[str, Probe] | None = None) -> list[Row]:
     """The manifest rows of one dataset, sorted by path, from its listing and the probe results by rel path (and,
     with a control directory, its listing and probe results)."""
     p = spec.params
     controls = controls_by_stem(control_entries, control_results or {}) if spec.control_root else None
+    masks = masks_by_stem(entries, results)
     caption_reads = captions_by_stem(entries, {k: v for k, v in results.items() if isinstance(v, CaptionRead)},
                                      p.caption_extension)
     rows: list[Row] = []
@@ -233,6 +279,11 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
         if controls is not None and not reason:
             control = match_control(controls.get(item_stem(e.rel), ()))
             reason = control.reason
+        mask_entry, mask_probe = masks.get(item_stem(e.rel), (None, None))
+        mask_detail = ""
+        if mask_entry is not None and mask_probe is not None and not probe.reason:
+            mask_reason, mask_detail = check_mask(probe, mask_entry, mask_probe)
+            reason = mask_reason or reason  # a bad mask is an error of the scan, whatever else the item has
         labels: tuple[str, ...] = ()
         if not reason:
             shape = (probe.width, probe.height, probe.num_frames, probe.media == "video")
@@ -257,7 +308,10 @@ def build_rows(spec: DatasetSpec, entries: Sequence[Entry], results: dict[str, P
             control_paths=(control.path,) if control.content_hash else (),
             control_hashes=(control.content_hash,) if control.content_hash else (),
             frame_starts=starts, frame_stride=stride, caption_variants=variants, loss_weight=p.loss_weight,
-            detail=probe.detail if probe.reason else cap.detail if cap.reason else control.detail,
+            mask_path=mask_entry.rel if mask_entry is not None and not reason else "",
+            mask_hash=mask_probe.content_hash if mask_probe is not None and not reason else "",
+            detail=(mask_detail if mask_detail else probe.detail if probe.reason else cap.detail if cap.reason
+                    else control.detail),
             caption_missing=cap.missing and not probe.reason,
         ))
     return sorted(rows, key=lambda r: r.path)
@@ -290,7 +344,7 @@ def mark_duplicates(table: pa.Table) -> pa.Table:
     different control images). Only rows whose key repeats are looked at in Python."""
     ok = pc.equal(table["status"], "ok")
     key = pc.binary_join_element_wise(table["dataset"], table["content_hash"],
-                                      pc.binary_join(table["control_hashes"], "\x01"), "\x00")
+                                      pc.binary_join(table["control_hashes"], "\x01"), table["mask_hash"], "\x00")
     counts = pc.value_counts(key.filter(ok))
     repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
     if not len(repeated):

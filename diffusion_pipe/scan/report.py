@@ -3,8 +3,8 @@
 Top level and per dataset: items, images, videos, ok, excluded, excluded_by_reason, missing_captions (items
 whose .txt is absent or empty, whatever the policy did), caption_sources, split (ok items in train / eval),
 buckets (ok items per bucket), video_windows (the windows ok videos train as), tag_orders (the distinct tag
-orders ok captions train as, with shuffle_tags), samples_per_epoch (train items x buckets x windows x
-repeats). Top level also:
+orders ok captions train as, with shuffle_tags), masked (ok items with a loss mask), samples_per_epoch (train
+items x buckets x windows x repeats). Top level also:
 excluded_examples (first paths per reason, with the error), excluded_first (the first excluded rows in manifest
 order, each with its reason: what the summary names), duplicates (groups of identical files across all
 datasets, extra copies, how many were excluded), ignored_files (neither media nor .txt), warnings, and `run`
@@ -43,7 +43,7 @@ def _sum(values) -> int:
 def _counts(rows: pa.Table) -> dict[str, Any]:
     """The counts of a final rows table (manifest.ROWS_SCHEMA, after `mark_duplicates`), computed on its columns."""
     rows = rows.select(["media", "status", "reason", "caption_missing", "caption_source", "split", "buckets",
-                        "frame_starts", "caption_variants", "repeats"])
+                        "frame_starts", "caption_variants", "repeats", "mask_hash"])
     is_ok = pc.equal(rows["status"], "ok")
     ok = rows.filter(is_ok)
     ok_videos = ok.filter(pc.equal(ok["media"], "video"))
@@ -63,6 +63,7 @@ def _counts(rows: pa.Table) -> dict[str, Any]:
         # Windows the ok videos train as (scan.datasets[].frame_extraction; 1 a video unless `windows`).
         "video_windows": _sum(pc.list_value_length(ok_videos["frame_starts"])),
         "tag_orders": _sum(pc.list_value_length(ok["caption_variants"])),  # scan.datasets[].shuffle_tags
+        "masked": _sum(pc.not_equal(ok["mask_hash"], "")),  # ok items with a loss mask (`<name>.mask.png`)
         # Samples one epoch draws: each ok item once per bucket (and window) it trains at, times its repeats.
         "samples_per_epoch": _sum(pc.multiply(pc.multiply(ok_train["repeats"].cast(pa.int64()),
                                                           pc.list_value_length(ok_train["buckets"])), windows)),

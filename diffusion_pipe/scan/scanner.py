@@ -210,8 +210,10 @@ def _scan_listed(params: ScanParams, specs: list[DatasetSpec], listings: list[Li
         table, rebuilt = _patch(base, specs, listings, controls, set(probed) | set(gone), matched, cache, probed)
     final = mark_duplicates(table)
     _check_captions(final, specs)
+    _check_masks(final, specs)
 
     warnings = [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in lst.warnings]
+    warnings += [f"dataset {spec.name}: {w}" for spec, lst in zip(specs, listings) for w in _orphan_masks(lst)]
     warnings += [f"dataset {spec.name} control: {w}" for spec, lst in zip(specs, controls) if lst is not None
                  for w in lst.warnings]
     warnings += [f"dataset {spec.name}: {note}" for spec in specs
@@ -307,6 +309,30 @@ def _check_captions(rows: Any, specs: Sequence[DatasetSpec]) -> None:
             )
     if problems:
         raise ScanError("\n".join(problems))
+
+
+def _orphan_masks(listing: Listing) -> list[str]:
+    """A warning for each mask file (`<name>.mask.png`) with no media file of its name beside it."""
+    media = {item_stem(rel) for rel, kind in zip(listing.rels, listing.kinds) if kind == "media"}
+    return [f"mask {rel} has no image beside it (no {item_stem(rel)}.<image extension>); it is not used"
+            for rel, kind in zip(listing.rels, listing.kinds) if kind == "mask" and item_stem(rel) not in media]
+
+
+def _check_masks(rows: Any, specs: Sequence[DatasetSpec]) -> None:
+    """Raise one ScanError naming every mask that can't weigh its item (manifest rule 3b: 'mask_*' reasons)."""
+    import pyarrow.compute as pc
+
+    bad = rows.filter(pc.starts_with(rows["reason"], "mask_"))
+    if not bad.num_rows:
+        return
+    roots = {spec.name: spec.root for spec in specs}
+    lines = [f"{printable(os.path.join(roots.get(d, ''), p))}: {printable(detail)} ({reason})"
+             for d, p, reason, detail in zip(bad["dataset"].to_pylist(), bad["path"].to_pylist(),
+                                             bad["reason"].to_pylist(), bad["detail"].to_pylist())]
+    shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
+    raise ScanError(f"{len(lines)} loss mask(s) can't be used (a mask is `<name>.mask.png` beside its image: one "
+                    "greyscale image of the image's aspect ratio, white = learn, black = ignore); fix or remove "
+                    "each:\n  " + "\n  ".join(shown))
 
 
 def scan_to_files(params: ScanParams, manifest_path: Path, report_path: Path, cache_path: Path | None) -> dict:

@@ -180,6 +180,13 @@ def _remote_and_keys(repo: Path, remote: str | None, encoded: Path | None, all_p
     raise AssertionError("unreachable")
 
 
+def _families(store: Any, keys: Any) -> tuple[str, ...]:
+    """The families to transfer: latents and texts, and loss masks where the keys (or, for every pack, the
+    store) have any."""
+    masks = any(f == "mask" for f, _ in keys) if keys is not None else "mask" in store.families()
+    return ("latent", "text", "mask") if masks else ("latent", "text")
+
+
 @store_group.command("push")
 @_root_option
 @_repo_option
@@ -193,7 +200,7 @@ def push(root: Path | None, repo: Path, remote: str | None, encoded: Path | None
     store = _store(root)
     target, keys = _remote_and_keys(repo, remote, encoded, all_packs)
     try:
-        for fam in ("latent", "text"):
+        for fam in _families(store, keys):
             wanted = None if keys is None else sorted(k for f, k in keys if f == fam)
             n = store.push(target, fam, keys=wanted)
             click.echo(f"{fam}: uploaded {n} packs to {target.url}")
@@ -214,7 +221,7 @@ def pull(root: Path | None, repo: Path, remote: str | None, encoded: Path | None
     target, keys = _remote_and_keys(repo, remote, encoded, False, has_all=False)
     missing = 0
     try:
-        for fam in ("latent", "text"):
+        for fam in _families(store, keys):
             wanted = sorted(k for f, k in keys if f == fam)
             n = store.pull(target, fam, wanted)
             left = len(store.missing(fam, wanted))

@@ -27,13 +27,14 @@ class Reachable:
 
 
 def table_keys(path: Path) -> set[tuple[str, str]]:
-    """(family, key) of every latent and text key of one encoded table."""
+    """(family, key) of every latent and text key of one encoded table, and of every loss mask's key."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["latent_key", "text_key"])
+    masked = "mask_key" in pq.read_schema(path).names  # loss masks: only tables with a masked sample have it
+    table = pq.read_table(path, columns=["latent_key", "text_key", *(["mask_key"] if masked else [])])
     return {("latent", k) for k in table.column("latent_key").to_pylist()} | {
         ("text", k) for k in table.column("text_key").to_pylist()
-    }
+    } | ({("mask", k) for k in table.column("mask_key").to_pylist() if k} if masked else set())
 
 
 def _git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:

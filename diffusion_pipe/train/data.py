@@ -48,6 +48,7 @@ class Row:
     variant_keys: tuple[str, ...] = ()  # text entries of its caption's tag orders (shuffle_tags): train uses these
     loss_weight: float = 1.0  # its dataset's loss_weight
     empty_text_key: str = ""  # the empty caption read with its image, which caption dropout gives it (edit, i2v)
+    mask_key: str = ""  # its loss mask at latent resolution ('': none, every element weighs 1)
 
 
 def read_rows(encoded_path, split: str) -> list[Row]:
@@ -56,7 +57,7 @@ def read_rows(encoded_path, split: str) -> list[Row]:
     table = pq.read_table(encoded_path)
     return [Row(r["sample_id"], r["bucket"], r["repeats"], r["latent_key"], r["text_key"],
                 tuple(r.get("conditioning_latent_keys") or ()), tuple(r.get("text_variant_keys") or ()),
-                r.get("loss_weight", 1.0), r.get("empty_text_key") or "")
+                r.get("loss_weight", 1.0), r.get("empty_text_key") or "", r.get("mask_key") or "")
             for r in table.to_pylist() if r["split"] == split]
 
 
@@ -73,12 +74,15 @@ def check_entries(rows: list[Row], store: Store, adapter: Adapter, text_max_leng
                             "model params as train")
         if row.bucket not in specs:
             specs[row.bucket] = adapter.latent_spec(*parse_bucket(row.bucket))
+        # a loss mask is one weight per latent cell: the latent grid (its last two axes)
+        mask_spec = {"mask": ((1, *specs[row.bucket]["latents"][0][-2:]), "float32")}
         # control images are encoded at their target's bucket: the same latent spec
         for family, key, expected in (("latent", row.latent_key, specs[row.bucket]),
                                       *(("latent", k, specs[row.bucket]) for k in row.conditioning_keys),
                                       ("text", row.text_key, text_spec),
                                       *(("text", k, text_spec) for k in row.variant_keys),
-                                      *(("text", k, text_spec) for k in (row.empty_text_key,) if k)):
+                                      *(("text", k, text_spec) for k in (row.empty_text_key,) if k),
+                                      *(("mask", k, mask_spec) for k in (row.mask_key,) if k)):
             if not store.contains(family, key):
                 raise DataError(f"{family} entry {key} of sample {row.sample_id} is not in the store at "
                                 f"{store.root}: {REPAIR_HINT}, or pull them from the store's remote")
@@ -169,12 +173,13 @@ class MicroBatches:
                  dp_rank: int, dp_world: int, timestep_sampling: str, flow_shift: float, guidance: float,
                  noise_offset: float = 0.0, min_snr_gamma: float = 0.0,
                  caption_dropout: CaptionDropout | None = None,
-                 timestep_range: tuple[float, float] = (0.0, 1.0)) -> None:
+                 timestep_range: tuple[float, float] = (0.0, 1.0), mask_min_weight: float = 0.0) -> None:
         self.rows, self.store, self.adapter = rows, store, adapter
         self.caption_dropout = caption_dropout  # train/caption_dropout.py; training batches only, never eval
         self.mbs, self.seed, self.dp_rank, self.dp_world = micro_batch_size, seed, dp_rank, dp_world
         self.sampling, self.shift, self.guidance = timestep_sampling, flow_shift, guidance
         self.noise_offset, self.min_snr_gamma, self.timestep_range = noise_offset, min_snr_gamma, timestep_range
+        self.mask_min_weight = mask_min_weight
         if min_snr_gamma and adapter.objective() not in DDPM_OBJECTIVES:
             raise DataError(f"train.min_snr_gamma: applies to epsilon and v prediction, but model family "
                             f"'{adapter.name}' trains with {adapter.objective()!r}; set it to 0")
@@ -232,7 +237,29 @@ class MicroBatches:
                                                  batch.conditioning)
         target = target.to(inputs[0].dtype)
         weights = self._loss_weights(indices, noised.timesteps) if timesteps is None else None
+        element_weights = self._mask_weights(indices, target) if timesteps is None else None
+        if element_weights is not None:  # the labels travel to the last pipeline stage as the target does
+            return inputs, (target, torch.ones(len(indices)) if weights is None else weights, element_weights)
         return inputs, (target,) if weights is None else (target, weights)
+
+    def _mask_weights(self, indices: list[int], target: torch.Tensor) -> torch.Tensor | None:
+        """Per-element loss weights of a training batch with a loss mask, min_w + (1 - min_w) mask
+        (train.mask_min_weight), shaped (B, 1, ..., h, w) to broadcast over the target's channels (and frames); an
+        unmasked sample of the batch weighs 1 everywhere. None when no sample of the batch has a mask, so training
+        without masks is what it was."""
+        rows = [self.rows[i] for i in indices]
+        if not any(row.mask_key for row in rows):
+            return None
+        grid = tuple(target.shape[-2:])
+        masks = []
+        for row in rows:
+            mask = self.store.get("mask", row.mask_key)["mask"].float() if row.mask_key else torch.ones(1, *grid)
+            if tuple(mask.shape[-2:]) != grid:
+                raise DataError(f"mask entry {row.mask_key} of sample {row.sample_id} is {tuple(mask.shape)}, its "
+                                f"latents' grid {grid}: re-run encode with the same model params as train")
+            masks.append(mask)
+        weights = self.mask_min_weight + (1.0 - self.mask_min_weight) * torch.stack(masks)
+        return weights.view(len(rows), *([1] * (target.dim() - 3)), *grid)
 
     def draw_noise(self, shape: torch.Size, generator: torch.Generator, offset: bool = True) -> torch.Tensor:
         """The micro-batch's noise from its `generator`, with `train.noise_offset` when `offset` (training

@@ -98,7 +98,7 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 # Train params added after runs existed that are left out of the run identity at these (their default) values, so
 # that a run from before them still resumes; any other value is another run.
 RECIPE_DEFAULTS = {"optimizer": "adamw", "optimizer_args": AdamWArgs(), "loss": "mse", "huber_c": 0.1,
-                   "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0}
+                   "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0, "mask_min_weight": 0.0}
 
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
@@ -185,7 +185,9 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
     def loss_fn(prediction: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         weights = labels[1] if len(labels) > 1 else None  # min-SNR weighting
-        loss = objective_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0], weights)
+        element_weights = labels[2] if len(labels) > 2 else None  # loss masks (data.py: MicroBatches._mask_weights)
+        loss = objective_loss(adapter.prediction_to_latents(prediction, labels[0]), labels[0], weights,
+                              element_weights)
         return loss * scaler.scale if scaler.enabled else loss
 
     if dist.device.type == "cuda" and train.max_gpu_memory_gb:
@@ -230,7 +232,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
         train_rows, store, adapter, micro_batch_size=train.micro_batch_size, seed=train.seed, dp_rank=dp_rank,
         dp_world=dp_world, timestep_sampling=train.timestep_sampling, flow_shift=train.flow_shift,
         guidance=train.guidance, noise_offset=train.noise_offset, min_snr_gamma=train.min_snr_gamma,
-        caption_dropout=caption_dropout, timestep_range=train.timestep_range), dist.device, position=state["position"])
+        caption_dropout=caption_dropout, timestep_range=train.timestep_range, mask_min_weight=train.mask_min_weight),
+        dist.device, position=state["position"])
 
     def evaluate(step: int) -> None:
         if not eval_rows or any(e["step"] == step for e in state["evals"]):

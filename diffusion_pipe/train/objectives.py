@@ -155,13 +155,28 @@ def elementwise_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str, 
 
 
 def training_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, kind: str,
-                  huber_c: float) -> torch.Tensor:
+                  huber_c: float, element_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of a training micro-batch by `kind` (train.loss), with per-sample `weights` (B,) (min-SNR, dataset
     loss weights) as for MSE: the mean of each sample's mean error times its weight. 'mse' is `mse_loss` itself,
-    bit for bit."""
+    bit for bit. With `element_weights` (loss masks: `masked_loss`), each sample's error is their weighted mean."""
+    if element_weights is not None:
+        return masked_loss(prediction, target, weights, element_weights, kind, huber_c)
     if kind == "mse":
         return mse_loss(prediction, target, weights)
     per_sample = elementwise_loss(prediction, target, kind, huber_c).flatten(1).mean(1)
+    return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
+
+
+def masked_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None,
+                element_weights: torch.Tensor, kind: str, huber_c: float) -> torch.Tensor:
+    """The loss of a micro-batch with loss masks: each element's error (by `kind`) times its weight
+    (`element_weights`, broadcast to the target: (B, 1, ..., h, w) over channels and frames), summed per sample and
+    divided by that sample's weight sum: a weighted mean, so a sample counts as much as an unmasked one however
+    little of it its mask keeps (a mask weighs where a sample learns, not how much). A sample whose weights are all
+    0 adds 0. Then, as without masks, the mean over samples of each one's loss times its per-sample `weights`."""
+    error = elementwise_loss(prediction, target, kind, huber_c)
+    w = element_weights.float().expand_as(error)
+    per_sample = (error * w).flatten(1).sum(1) / w.flatten(1).sum(1).clamp_min(1e-12)
     return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
 
 
@@ -181,11 +196,11 @@ class TrainingLoss:
     def __init__(self, kind: str = "mse", huber_c: float = 0.1) -> None:
         self.kind, self.huber_c, self._evaluating = kind, huber_c, False
 
-    def __call__(self, prediction: torch.Tensor, target: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None,
+                 element_weights: torch.Tensor | None = None) -> torch.Tensor:
         if self._evaluating:
             return mse_loss(prediction, target, weights)
-        return training_loss(prediction, target, weights, self.kind, self.huber_c)
+        return training_loss(prediction, target, weights, self.kind, self.huber_c, element_weights)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -55,7 +55,8 @@ MAY_CHANGE_ON_RESUME = {
 # Left out of the identity while they hold today's default (adamw, no args; mse, the whole schedule; no
 # init_lora; no EMA), so that runs from before they existed resume; any other value is another run
 # (test_the_optimizer_and_its_args_are_part_of_the_run).
-ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args", "loss", "huber_c", "timestep_range", "init_lora", "ema_decay"}
+ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args", "loss", "huber_c", "timestep_range", "init_lora", "ema_decay",
+                     "mask_min_weight"}
 # Another valid value of every other train param: changing any of them must start a new run.
 OTHER_VALUE = {
     "seed": 1, "steps": 200, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 2.0e-4,
@@ -70,6 +71,7 @@ OTHER_VALUE = {
     "samples": SampleParams(prompts=(SamplePrompt("a red cube"),)), "save_lora_every_steps": 10,
     "swap_prefetch": False, "optimizer": "adafactor",
     "loss": "pseudo_huber", "huber_c": 0.3, "timestep_range": (0.0, 0.5), "ema_decay": 0.999,
+    "mask_min_weight": 0.1,
 }
 # huber_c is read only with a Huber loss (with mse it is refused): it is walked from a run with one
 NEEDS = {"huber_c": {"loss": "huber"}}
