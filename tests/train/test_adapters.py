@@ -140,9 +140,14 @@ def test_each_adapter_trains_the_example_and_resumes_exactly(encoded_repo, tmp_p
                        "dora": {"lora_dora": True}}[name].items():
         assert identity["train"][key] == lineage["params"]["train"][key] == value
     assert _exported_weights_match(runs / "out/lora.safetensors", run_dir / f"step{STEPS}")
-    step_loras = sorted(p.name for p in (runs / "loras").rglob("*.safetensors"))
-    assert [p for p in step_loras if p.startswith("step-000003")] == sorted(
+    step_loras = {p.name: p for p in (runs / "loras").rglob("*.safetensors")}
+    assert sorted(p for p in step_loras if p.startswith("step-000003")) == sorted(
         f"step-000003.{f}.safetensors" for f in formats.strip("[]").split(", "))
+    run_checked([sys.executable, "-m", "stages.export", "--params", str(params), "--lora",
+                 str(runs / "out/lora.safetensors"), "--out", str(tmp_path / "artifacts")], cwd=repo, env=run_env(store))
+    exported = load_file(tmp_path / "artifacts/shapes-lora.comfyui.safetensors")
+    last = load_file(step_loras[f"step-{STEPS:06d}.comfyui.safetensors"])  # written along the way, the same way
+    assert exported.keys() == last.keys() and all(torch.equal(exported[k], last[k]) for k in exported)
 
     shutil.rmtree(run_dir / f"step{STEPS}")  # the run as it was when stopped after its step-3 checkpoint
     (runs / "out/lora.safetensors").unlink()
