@@ -538,7 +538,7 @@ def _write_lora(path: Path, lora: dict[str, torch.Tensor], model: ModelParams, t
     metadata = {
         "format": "pt", "diffusion_pipe.family": model.family, "diffusion_pipe.run_id": run_id,
         "diffusion_pipe.adapter": train.adapter,
-        "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha), "lora_dora": str(train.lora_dora),
+        "lora_rank": str(train.lora_rank), "lora_alpha": str(train.lora_alpha),
         "lora_targets": json.dumps(targets),
     }
     if lineage is not None:
