@@ -200,9 +200,9 @@ def _peft_weights(denoiser) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def _lycoris_weight(keys: dict[str, torch.Tensor], base: torch.Tensor) -> torch.Tensor:
     """The weight a LyCORIS loader makes of `base` and one key's tensors (`keys`: suffix -> tensor), with the
     LyCORIS formulas: LoKr kron(w1, w2), a low-rank factor scaled by alpha / its rank; LoHa (w1_a w1_b) *
-    (w2_a w2_b) alpha / rank; a LoRA up down alpha / rank, and with `dora_scale` (on the output axis) the result
+    (w2_a w2_b) alpha / rank; a LoRA up down alpha / rank (1 without alpha), and with `dora_scale` (on the output axis) the result
     normed per output feature and scaled by it."""
-    alpha = keys["alpha"].item()
+    alpha = keys["alpha"].item() if "alpha" in keys else None  # a LoRA without one applies at scale 1
     if "hada_w1_a" in keys:
         delta = (keys["hada_w1_a"] @ keys["hada_w1_b"]) * (keys["hada_w2_a"] @ keys["hada_w2_b"])
         return base + delta * alpha / keys["hada_w1_b"].shape[0]
@@ -212,8 +212,8 @@ def _lycoris_weight(keys: dict[str, torch.Tensor], base: torch.Tensor) -> torch.
         low_rank = keys.get("lokr_w2_b", keys.get("lokr_w1_b"))
         scale = alpha / low_rank.shape[0] if low_rank is not None else 1.0
         return base + torch.kron(w1, w2) * scale
-    up, down = keys["lora_up.weight"], keys["lora_down.weight"]
-    weight = base + up @ down * alpha / down.shape[0]
+    (up,), (down,) = ([v for k, v in keys.items() if split_key(f"m.{k}") == ("m", which)] for which in "BA")
+    weight = base + up @ down * (alpha / down.shape[0] if alpha is not None else 1.0)
     if "dora_scale" in keys:
         assert keys["dora_scale"].shape == (base.shape[0], 1)  # ComfyUI's output-axis DoRA
         weight = weight * keys["dora_scale"] / weight.norm(dim=1, keepdim=True)
@@ -229,15 +229,18 @@ def _by_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return out
 
 
-def _in_comfyui_layout(adapter, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _in_layout(adapter, weights: dict[str, torch.Tensor], fmt: str = "comfyui") -> dict[str, torch.Tensor]:
     """Each exported key's whole weight from per-module weights (fused projections stacked as ComfyUI's Flux
     fuses them), through the family's own (separately tested) LoRA export of an exact full-rank LoRA: A = I."""
     lora = {}
     for module, weight in weights.items():
         lora[f"{module}.lora_A.weight"] = torch.eye(weight.shape[1])
         lora[f"{module}.lora_B.weight"] = weight
-    return {prefix: keys["lora_up.weight"] @ keys["lora_down.weight"]
-            for prefix, keys in _by_prefix(adapter.export_lora(lora, "comfyui")).items()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in adapter.export_lora(lora, fmt).items():
+        prefix, which = split_key(key)
+        out.setdefault(prefix, {})[which] = value
+    return {prefix: pair["B"] @ pair["A"] for prefix, pair in out.items()}
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -248,8 +251,8 @@ def test_the_comfyui_export_applies_what_the_trained_module_applies(tiny_flux_di
     adapter, denoiser = _trained_flux(tiny_flux_dir, KINDS[name])
     exported = export_adapter(adapter, fold_scale(lora_state_dict(denoiser), RANK, ALPHA), "comfyui")
     weights = _peft_weights(denoiser)
-    bases = _in_comfyui_layout(adapter, {m: base for m, (base, _) in weights.items()})
-    adapted = _in_comfyui_layout(adapter, {m: w for m, (_, w) in weights.items()})
+    bases = _in_layout(adapter, {m: base for m, (base, _) in weights.items()})
+    adapted = _in_layout(adapter, {m: w for m, (_, w) in weights.items()})
     prefixes = _by_prefix(exported)
     for prefix, keys in prefixes.items():
         if prefix.startswith("transformer."):  # a diffusers name: the module's own weight
