@@ -159,6 +159,33 @@ def test_each_adapter_trains_the_example_and_resumes_exactly(encoded_repo, tmp_p
     assert resumed["eval"] == report["eval"]
 
 
+@pytest.mark.slow  # four short train runs, two of them on 2 processes: about 2 minutes
+@pytest.mark.parametrize("name", ["lokr", "dora"])
+def test_two_pipeline_stages_train_what_one_stage_trains(encoded_repo, tmp_path, name):
+    """Over 2 pipeline stages (2 processes, gloo), each rank injecting the adapter with the other stage's layers
+    still unloaded (meta), the trained file gathers both halves and equals a 1-stage run's (DoRA's magnitude is
+    the norm of weights loaded before injection, LoKr's factors are seeded per name)."""
+    from tests.conftest import torchrun
+
+    repo, store = encoded_repo
+    recipe, formats = RECIPES[name]
+    text = (repo / "params.yaml").read_text().replace("lora_rank: 8", f"lora_rank: 8\n  {recipe}")
+    text = text.replace("formats: [diffusers, comfyui]", f"formats: {formats}").replace(f"steps: {STEPS}", "steps: 3")
+    files = {}
+    for stages in (1, 2):
+        (tmp_path / f"p{stages}.yaml").write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}"))
+        out = tmp_path / f"s{stages}"
+        launch = [sys.executable] if stages == 1 else torchrun(2)
+        run_checked([*launch, "-m", "stages.train", "--params", str(tmp_path / f"p{stages}.yaml"), "--out", str(out),
+                     "--report", str(out / "r.json"), "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs")],
+                    cwd=repo, env=run_env(store))
+        files[stages] = load_file(out / "lora.safetensors")
+    one, two = files[1], files[2]
+    assert one.keys() == two.keys() and any(k.startswith("single_transformer_blocks.") for k in two)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
+
+
 # --- exports: what the exported keys apply equals what the trained peft module applies (tests/adapter_weights.py) -
 
 KINDS = {"lokr": AdapterKind("lokr"), "lokr-decomposed": AdapterKind("lokr", lokr_decompose_both=True),
