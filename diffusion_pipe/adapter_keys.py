@@ -99,20 +99,25 @@ def _export_loha(adapter, modules: dict[str, dict[str, torch.Tensor]], fmt: str)
 
 def lokr_shape(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(out, in) features of the module a LoKr's tensors adapt: the products of its two factors' shapes."""
-    w1 = [tensors["lokr_w1"].shape] if "lokr_w1" in tensors else [tensors["lokr_w1_a"].shape, tensors["lokr_w1_b"].shape]
-    w2 = [tensors["lokr_w2"].shape] if "lokr_w2" in tensors else [tensors["lokr_w2_a"].shape, tensors["lokr_w2_b"].shape]
-    return w1[0][0] * w2[0][0], w1[-1][1] * w2[-1][1]
+    def factor(name: str) -> tuple[int, int]:  # a full factor, or the product of its low-rank pair
+        if name in tensors:
+            return tuple(tensors[name].shape)
+        return tensors[f"{name}_a"].shape[0], tensors[f"{name}_b"].shape[1]
+
+    (out1, in1), (out2, in2) = factor("lokr_w1"), factor("lokr_w2")
+    return out1 * out2, in1 * in2
 
 
 def _whole_prefix(adapter, fmt: str, module: str, out_f: int, in_f: int) -> str | None:
     """Where the family's `fmt` LoRA of `module` lands whole and in order (its own key, rows and columns
     unchanged), or None when it is fused with others or reordered."""
-    probe = (torch.arange(1, in_f + 1, dtype=torch.float32)[None], torch.arange(1, out_f + 1, dtype=torch.float32)[:, None])
-    landed = _through_export(adapter, fmt, {module: probe})
+    a = torch.arange(1, in_f + 1, dtype=torch.float32)[None]
+    b = torch.arange(1, out_f + 1, dtype=torch.float32)[:, None]
+    landed = _through_export(adapter, fmt, {module: (a, b)})
     if len(landed) != 1:
         return None
     prefix, pair = next(iter(landed.items()))
-    whole = torch.equal(pair.get("A", torch.empty(0)), probe[0]) and torch.equal(pair.get("B", torch.empty(0)), probe[1])
+    whole = torch.equal(pair.get("A", torch.empty(0)), a) and torch.equal(pair.get("B", torch.empty(0)), b)
     return prefix if whole else None
 
 

@@ -634,8 +634,9 @@ class Params:
                               f"{'DoRA' if train.lora_dora else train.adapter}; set export.merged: false")
         if train.lora_dora and self.model.base_dtype:
             raise ConfigError(f"train.lora_dora: DoRA divides by the norm of each base weight row, and "
-                              f"model.base_dtype: '{self.model.base_dtype}' stores those weights in fp8 with a scale "
-                              "per row that peft's DoRA does not apply; leave base_dtype empty, or set lora_dora: false")
+                              f"model.base_dtype: '{self.model.base_dtype}' stores those weights in fp8 with a "
+                              "scale per row that peft's DoRA does not apply; leave base_dtype empty, or set "
+                              "lora_dora: false")
 
 
 _SECTIONS: dict[str, type] = {

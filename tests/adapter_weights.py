@@ -27,8 +27,8 @@ def peft_weights(denoiser) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def lycoris_weight(keys: dict[str, torch.Tensor], base: torch.Tensor) -> torch.Tensor:
     """The weight a LyCORIS loader makes of `base` and one key's tensors (`keys`: suffix -> tensor), with the
     LyCORIS formulas: LoKr kron(w1, w2), a low-rank factor scaled by alpha / its rank; LoHa (w1_a w1_b) *
-    (w2_a w2_b) alpha / rank; a LoRA up down alpha / rank (1 without alpha), and with `dora_scale` (on the output axis) the result
-    normed per output feature and scaled by it."""
+    (w2_a w2_b) alpha / rank; a LoRA up down alpha / rank (1 without alpha), and with `dora_scale` (on the
+    output axis) the result normed per output feature and scaled by it."""
     alpha = keys["alpha"].item() if "alpha" in keys else None  # a LoRA without one applies at scale 1
     if "hada_w1_a" in keys:
         delta = (keys["hada_w1_a"] @ keys["hada_w1_b"]) * (keys["hada_w2_a"] @ keys["hada_w2_b"])

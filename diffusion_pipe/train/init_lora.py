@@ -19,6 +19,7 @@ import torch
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.lora_keys import TensorDict, split_key
 
+
 @dataclass(frozen=True)
 class KeyMap:
     """Where a file's LoRA prefix lands: `module` (PEFT name) and the index permutations that undo the format's

@@ -177,7 +177,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
                               base_dtype=model.base_dtype, full=train.adapter == "full",
-                              init_lora=Path(train.init_lora) if train.init_lora else None, kind=AdapterKind.of(train))
+                              init_lora=Path(train.init_lora) if train.init_lora else None,
+                              kind=AdapterKind.of(train))
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
@@ -273,7 +274,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
         writer = SummaryWriter(str(runs_root / "tensorboard" / run_id))
         print(f"train: run {run_id}, {len(train_rows)} train / {len(eval_rows)} eval samples, "
-              + (f"{len(targets)} {AdapterKind.of(train).label} modules, " if train.adapter != "full" else "full fine-tune, ")
+              + (f"{len(targets)} {AdapterKind.of(train).label} modules, " if targets else "full fine-tune, ")
               + f"{sum(p.numel() for p in trainable)} trainable parameters on "
               f"stage 0, {train.pipeline_stages} stage(s) x {dp_world} data-parallel on {dist.device}"
               + (f"; resuming at step {resumed_from}" if resumed_from is not None else ""), file=sys.stderr)

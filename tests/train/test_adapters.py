@@ -145,7 +145,8 @@ def test_each_adapter_trains_the_example_and_resumes_exactly(encoded_repo, tmp_p
     assert sorted(p for p in step_loras if p.startswith("step-000003")) == sorted(
         f"step-000003.{f}.safetensors" for f in formats.strip("[]").split(", "))
     run_checked([sys.executable, "-m", "stages.export", "--params", str(params), "--lora",
-                 str(runs / "out/lora.safetensors"), "--out", str(tmp_path / "artifacts")], cwd=repo, env=run_env(store))
+                 str(runs / "out/lora.safetensors"), "--out", str(tmp_path / "artifacts")],
+                cwd=repo, env=run_env(store))
     exported = load_file(tmp_path / "artifacts/shapes-lora.comfyui.safetensors")
     last = load_file(step_loras[f"step-{STEPS:06d}.comfyui.safetensors"])  # written along the way, the same way
     assert exported.keys() == last.keys() and all(torch.equal(exported[k], last[k]) for k in exported)
@@ -176,9 +177,9 @@ def test_two_pipeline_stages_train_what_one_stage_trains(encoded_repo, tmp_path,
         (tmp_path / f"p{stages}.yaml").write_text(text.replace("pipeline_stages: 1", f"pipeline_stages: {stages}"))
         out = tmp_path / f"s{stages}"
         launch = [sys.executable] if stages == 1 else torchrun(2)
-        run_checked([*launch, "-m", "stages.train", "--params", str(tmp_path / f"p{stages}.yaml"), "--out", str(out),
-                     "--report", str(out / "r.json"), "--loss-plot", str(out / "loss.csv"), "--runs", str(out / "runs")],
-                    cwd=repo, env=run_env(store))
+        run_checked([*launch, "-m", "stages.train", "--params", str(tmp_path / f"p{stages}.yaml"), "--out",
+                     str(out), "--report", str(out / "r.json"), "--loss-plot", str(out / "loss.csv"), "--runs",
+                     str(out / "runs")], cwd=repo, env=run_env(store))
         files[stages] = load_file(out / "lora.safetensors")
     one, two = files[1], files[2]
     assert one.keys() == two.keys() and any(k.startswith("single_transformer_blocks.") for k in two)
