@@ -27,7 +27,7 @@ from diffusion_pipe.lora_keys import TensorDict, split_key
 _LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 _LOHA = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 _LORA = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
-# a LyCORIS adapter's kind by the tensors it holds, and the formats a family writes it in (diffusers loads neither)
+# the formats LoKr and LoHa are written in: ComfyUI's LoRA loader reads both layouts, diffusers neither
 LYCORIS_FORMATS = ("comfyui", "kohya")
 
 
