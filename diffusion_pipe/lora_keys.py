@@ -17,6 +17,21 @@ TensorDict = dict[str, torch.Tensor]
 LoraPair = tuple[torch.Tensor, torch.Tensor]  # (A: rank x in, B: out x rank)
 
 
+# file key suffix -> which factor it is ("A" = down, "B" = up)
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B",
+             ".lora.down.weight": "A", ".lora.up.weight": "B"}
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """(prefix, "A" | "B" | "alpha") of a LoRA tensor key, or None for any other key."""
+    if key.endswith(".alpha"):
+        return key[: -len(".alpha")], "alpha"
+    for suffix, which in _SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], which
+    return None
+
+
 def lora_modules(lora: TensorDict) -> dict[str, LoraPair]:
     """Module name -> (lora_A, lora_B) of a PEFT-named LoRA, sorted by module name.
 
@@ -87,11 +102,17 @@ def kohya_name(module: str, prefix: str = "lora_unet") -> str:
     return f"{prefix}_{module.replace('.', '_')}"
 
 
+# The one factor of each adapter kind that carries the scale alpha/rank when it is folded in: the whole delta is
+# linear in it (LoRA's B, LoKr's first Kronecker factor, LoHa's first Hadamard factor).
+_SCALED_FACTOR = (".lora_B.weight", ".lokr_w1", ".lokr_w1_a", ".hada_w1_a")
+
+
 def fold_scale(lora: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """Fold the LoRA scale alpha/rank into lora_B, so every loader applies the trained strength at scale 1
-    whether or not it reads alpha."""
+    """Fold the scale alpha/rank into the factor of each module that carries it (lora_B; LoKr's lokr_w1, LoHa's
+    hada_w1_a), so every loader applies the trained strength at scale 1 whether or not it reads alpha. DoRA's
+    magnitude is left as it is: DoRA's direction is W + scale * B A, so folding into B keeps it exact."""
     scale = alpha / rank
-    return {k: (v * scale if ".lora_B." in k else v).contiguous() for k, v in lora.items()}
+    return {k: (v * scale if k.endswith(_SCALED_FACTOR) else v).contiguous() for k, v in lora.items()}
 
 
 def ema_lora_path(lora_path: Path) -> Path:

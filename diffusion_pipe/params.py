@@ -389,7 +389,7 @@ class TrainParams:
         "seed": _SEED, "steps": _AT_LEAST_1, "micro_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
         "learning_rate": Range(0, 1, lo_open=True), "warmup_steps": _AT_LEAST_0, "weight_decay": _AT_LEAST_0,
         "adam_betas": _FRACTION, "adam_eps": Range(0, 1, lo_open=True), "max_grad_norm": _AT_LEAST_0,  # 0: no clipping
-        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION,
+        "lora_rank": Range(1, 4096), "lora_alpha": _POSITIVE, "lora_dropout": _FRACTION, "lokr_factor": Range(-1, 4096),
         # The timestep and noise params, bounded well past any meaningful value: a shift of 100 already puts 99%
         # of uniform timesteps above 0.5 (published models use 1-17), and a shift or guidance past float32's
         # 3.4e38 is infinite in the step, which then trains on NaN (and the divergence error would blame the
@@ -420,12 +420,21 @@ class TrainParams:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1.0e-8
     max_grad_norm: float = 1.0
-    # what trains: "lora" (adapters on lora_targets) or "full" (every weight of the denoiser; the export is then a
+    # what trains: "lora" (adapters on lora_targets), "lokr" (LyCORIS LoKr: a Kronecker product of two small
+    # matrices), "loha" (LyCORIS LoHa: a Hadamard product of two low-rank products), all three through peft, with
+    # lora_rank / lora_alpha as their rank and alpha; LoKr and LoHa export to ComfyUI and kohya, not diffusers
+    # (docs/training.md#lokr-loha-and-dora). Or "full" (every weight of the denoiser; the export is then a
     # diffusers component directory, artifacts/<export.name>.full/, and the lora_* params are not used)
-    adapter: Literal["lora", "full"] = "lora"
+    adapter: Literal["lora", "lokr", "loha", "full"] = "lora"
     lora_rank: int = 16
     lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # adapter: lora only
+    lora_dora: bool = False  # adapter: lora only: DoRA, a learned magnitude per output feature besides the LoRA
+    # adapter: lokr: how each dimension splits between the two Kronecker factors (peft's decompose_factor): the
+    # first factor's size where it divides the dimension, else the divisor pair nearest it; -1: nearest the square
+    # root. The second factor is low-rank (lora_rank) when lora_rank is under half its size, else full.
+    lokr_factor: int = -1
+    lokr_decompose_both: bool = False  # adapter: lokr: the first factor low-rank too, under the same rule
     lora_targets: tuple[str, ...] = ()  # module name suffixes; empty: the family's defaults
     # a LoRA .safetensors file the adapters start from instead of LoRA's usual init (continue a LoRA): ours
     # (runs/train/lora.safetensors) or an export (diffusers, ComfyUI, kohya); its rank must equal lora_rank; it
@@ -518,12 +527,36 @@ class TrainParams:
         if self.ema_decay and self.adapter == "full":
             raise ConfigError(f"train.ema_decay: {self.ema_decay:g} averages LoRA adapters, and train.adapter is full; "
                               "set ema_decay: 0, or train a LoRA")
+        self._check_adapter()
         if self.activation_checkpointing_keep and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_keep is {self.activation_checkpointing_keep!r}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop it)")
         if self.activation_checkpointing_share != 1.0 and not self.activation_checkpointing:
             raise ValueError(f"activation_checkpointing_share is {self.activation_checkpointing_share:g}, but "
                              "activation_checkpointing is off; set activation_checkpointing: true (or drop the share)")
+
+    def _check_adapter(self) -> None:
+        """Refuse an adapter option the chosen train.adapter does not read, or a combination peft cannot train."""
+        defaults = TrainParams.__dataclass_fields__
+        owners = {"lora_dora": ("lora",), "lora_dropout": ("lora",), "lokr_factor": ("lokr",),
+                  "lokr_decompose_both": ("lokr",)}
+        for name, adapters in owners.items():
+            if self.adapter not in adapters and getattr(self, name) != defaults[name].default:
+                raise ConfigError(f"train.{name}: is {getattr(self, name)!r}, and train.adapter is {self.adapter!r}, "
+                                  f"which does not read it (only adapter: {' or '.join(adapters)} does); drop "
+                                  f"train.{name}, or set train.adapter: {adapters[0]}")
+        if self.lokr_factor == 0:
+            raise ConfigError("train.lokr_factor: 0 splits nothing; set -1 (split each dimension evenly) or the "
+                              "first Kronecker factor's size (>= 1)")
+        if self.init_lora and self.adapter in ("lokr", "loha"):
+            raise ConfigError(f"train.init_lora: starts LoRA adapters (lora_A / lora_B), and train.adapter is "
+                              f"{self.adapter!r}, which has other tensors; drop init_lora, or train adapter: lora")
+        if self.init_lora and self.lora_dora:
+            raise ConfigError("train.init_lora: a LoRA file holds no DoRA magnitude, and train.lora_dora is true; "
+                              "drop init_lora, or set lora_dora: false")
+        if self.lora_dora and self.optimizer == "muon":
+            raise ConfigError("train.optimizer: muon updates 2-D weight matrices only, and train.lora_dora trains a "
+                              "magnitude vector per module (1-D); set lora_dora: false, or choose another optimizer")
 
     def _check_loss_and_timesteps(self) -> None:
         if self.loss == "mse" and self.huber_c != 0.1:
@@ -596,6 +629,7 @@ class Params:
             raise ConfigError(f"export.ema: {self.export.ema} exports the EMA of the trained weights, and "
                               "train.ema_decay is 0 (no EMA is kept); set train.ema_decay (e.g. 0.999), or "
                               "export.ema: off")
+        self._check_adapter_export()
         if self.train.adapter == "full":  # what a full fine-tune cannot do, across sections
             if self.model.base_dtype:
                 raise ConfigError(f"model.base_dtype: '{self.model.base_dtype}' stores frozen weights in fp8, and "
@@ -606,6 +640,23 @@ class Params:
                                   f"{sorted(set(self.export.formats) - {'diffusers'})} and merged "
                                   f"({self.export.merged}) do not apply: set export.formats: [diffusers] and "
                                   "export.merged: false")
+
+    def _check_adapter_export(self) -> None:
+        """Refuse, across sections, what LoKr, LoHa and DoRA cannot do: diffusers loads no LoKr / LoHa, a merged
+        export folds LoRAs only, and DoRA norms the base weights, which fp8 storage scales per row."""
+        train, export = self.train, self.export
+        if train.adapter in ("lokr", "loha") and "diffusers" in export.formats:
+            raise ConfigError(f"export.formats: lists 'diffusers', and diffusers' load_lora_weights loads no "
+                              f"{train.adapter} (train.adapter: {train.adapter}); export it for ComfyUI "
+                              "(export.formats: [comfyui], or kohya), or train adapter: lora")
+        if export.merged and (train.adapter in ("lokr", "loha") or train.lora_dora):
+            raise ConfigError(f"export.merged: folds a plain LoRA into the base weights, and this run trains "
+                              f"{'DoRA' if train.lora_dora else train.adapter}; set export.merged: false")
+        if train.lora_dora and self.model.base_dtype:
+            raise ConfigError(f"train.lora_dora: DoRA divides by the norm of each base weight row, and "
+                              f"model.base_dtype: '{self.model.base_dtype}' stores those weights in fp8 with a "
+                              "scale per row that peft's DoRA does not apply; leave base_dtype empty, or set "
+                              "lora_dora: false")
 
 
 _SECTIONS: dict[str, type] = {

@@ -1250,6 +1250,22 @@ MUTATIONS: list[Mutation] = [
              "weights = torch.stack(masks)",
              ("tests/train/test_masks.py::test_mask_weights_take_the_min_weight_and_unmasked_samples_weigh_one",),
              "train.mask_min_weight is read and ignored: the black background weighs 0 whatever it says"),
+    Mutation("lokr-alpha-wrong-rank", "diffusion_pipe/adapter_keys.py",
+             "torch.tensor(float(low_rank.shape[0]) if", "torch.tensor(float(low_rank.shape[1]) if",
+             ("tests/train/test_adapters.py::test_the_comfyui_export_applies_what_the_trained_module_applies",),
+             "a LoKr's `.alpha` is not the rank of its low-rank factor: ComfyUI applies it at the wrong strength"),
+    Mutation("loha-second-factor-is-first", "diffusion_pipe/adapter_keys.py",
+             '{m: (t["hada_w2_b"], t["hada_w2_a"])', '{m: (t["hada_w1_b"], t["hada_w1_a"])',
+             ("tests/train/test_adapters.py::test_the_comfyui_export_applies_what_the_trained_module_applies",),
+             "a LoHa's hada_w2 keys hold its first Hadamard factor: the export squares one factor"),
+    Mutation("adapter-init-global-rng", "diffusion_pipe/train/build.py",
+             "if (tensor := adapter_tensor(name)) in RANDOM_INIT", 'if (tensor := adapter_tensor(name)) == "lora_A"',
+             ("tests/train/test_adapters.py::test_adapter_tensors_start_from_the_seed_not_the_global_rng",),
+             "LoKr's and LoHa's random factors come from torch's global RNG: ranks holding other layers disagree"),
+    Mutation("dora-default-in-identity", LOOP,
+             '"lora_dora": False, "lokr_factor": -1,', '"lokr_factor": -1,',
+             ("tests/train/test_adapters.py::test_run_identity_is_unchanged_at_the_defaults_and_changes_with_each_option",),
+             "lora_dora at its default enters the run identity: every run from before it starts over"),
 ]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from diffusion_pipe.adapter_keys import export_adapter
 from diffusion_pipe.errors import UserError
 from diffusion_pipe.fileio import json_bytes, naming_write_errors, published_together
 from diffusion_pipe.hashing import hash_bytes, hash_file
@@ -81,7 +82,7 @@ def export_lora(params: Params, repo: Path, lora_path: Path, manifest: Path, enc
         for name, folded, record in loras:
             files = {}
             for fmt in params.export.formats:
-                tensors = adapter.export_lora(folded, fmt)
+                tensors = export_adapter(adapter, folded, fmt)
                 path = out_dir / f"{name}.{fmt}.safetensors"
                 metadata = {"format": "pt", "diffusion_pipe.family": params.model.family,
                             "diffusion_pipe.export_format": fmt, **lineage_metadata(record)}

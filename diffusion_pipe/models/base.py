@@ -71,6 +71,9 @@ class Adapter(ABC):
     capabilities: ClassVar[Capabilities]
 
     experts: ClassVar[tuple[str, ...]] = ()  # values `model.expert` may take (Wan 2.2: "high", "low")
+    # Whether ComfyUI's LoRA loader also maps this family's diffusers module names under `transformer.` (onto
+    # slices of the projections its own layout fuses): a LoKr module that its ComfyUI layout fuses is written so.
+    comfyui_reads_diffusers_names: ClassVar[bool] = False
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, expert: str | None = None) -> None:
         if expert and expert not in self.experts:

@@ -102,6 +102,7 @@ class ChromaAdapter(FluxAdapter):
     capabilities: ClassVar[Capabilities] = Capabilities(
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
+    comfyui_reads_diffusers_names: ClassVar[bool] = False  # not checked for Chroma
 
     # ---- encode side -------------------------------------------------------------------------------
     def text_component_dirs(self) -> tuple[dict[str, Path], dict[str, Path]]:

@@ -105,6 +105,7 @@ class FluxAdapter(Adapter):
     capabilities: ClassVar[Capabilities] = Capabilities(
         media=("image",), tasks=("t2i",), objective="flow", export_formats=("diffusers", "comfyui"),
     )
+    comfyui_reads_diffusers_names: ClassVar[bool] = True  # comfy/lora.py maps them through utils.flux_to_diffusers
 
     # ---- encode side -------------------------------------------------------------------------------
     @property

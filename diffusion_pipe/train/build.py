@@ -18,7 +18,7 @@ from torch import nn
 from diffusion_pipe.hashing import hash_json
 from diffusion_pipe.model_folder import model_folder_error, read_model_json, require_file
 from diffusion_pipe.models.base import Adapter
-from diffusion_pipe.train.lora import add_lora, target_module_names
+from diffusion_pipe.train.lora import RANDOM_INIT, AdapterKind, adapter_tensor, add_lora, target_module_names
 
 
 @dataclass
@@ -102,13 +102,14 @@ def seed_lora_dropout(seed: int, dp_rank: int) -> None:
 
 
 def init_lora_deterministic(model: nn.Module, seed: int) -> None:
-    """Re-initialise every materialised lora_A like peft does (Kaiming uniform, a=sqrt(5)) but from a
-    generator per module name, so the weights do not depend on which layers a rank holds."""
+    """Re-initialise every materialised adapter tensor that peft draws at random (lora_A, LoKr's and LoHa's:
+    `RANDOM_INIT`) like peft does (Kaiming uniform, a=sqrt(5)) but from a generator per tensor name, so the
+    weights do not depend on which layers a rank holds."""
     import math
 
     for name, param in model.named_parameters():
-        if "lora_A" in name and param.device.type != "meta":
-            generator = torch.Generator().manual_seed(int(hash_json(["lora_A", seed, name])[:15], 16))
+        if (tensor := adapter_tensor(name)) in RANDOM_INIT and param.device.type != "meta":
+            generator = torch.Generator().manual_seed(int(hash_json([tensor, seed, name])[:15], 16))
             with torch.no_grad():
                 fresh = torch.empty(param.shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
@@ -119,20 +120,21 @@ def load_init_lora(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy PEFT-named LoRA start values (`init_lora_weights`) into the materialised adapters of `model`."""
     for name, param in model.named_parameters():
         key = name.replace(".default.", ".")
-        if "lora_" in name and key in weights and param.device.type != "meta":
+        if adapter_tensor(name) and key in weights and param.device.type != "meta":
             with torch.no_grad():
                 param.copy_(weights[key].to(param.dtype))
 
 
 def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets: tuple[str, ...], rank: int,
                       alpha: float, dropout: float, seed: int, base_dtype: str = "", full: bool = False,
-                      init_lora: Path | None = None) -> LocalModel:
+                      init_lora: Path | None = None, kind: AdapterKind = AdapterKind()) -> LocalModel:
     """The LoRA-wrapped denoiser with only `stage`'s layers materialised (on CPU, in the adapter's dtype); with
     `full` (train.adapter: full), the denoiser itself with every weight trainable and no LoRA.
     `base_dtype` "float8" / "float8_matmul" (model.base_dtype) stores the frozen Linear weights of the
     stage's blocks in fp8 (train/fp8.py); the first and last pipeline layers, under 1% of the weights and
     the model's input and output projections, keep the adapter's dtype. `init_lora` (train.init_lora): the LoRA
-    file the adapters start from instead of their usual init (train/init_lora.py)."""
+    file the adapters start from instead of their usual init (train/init_lora.py); `kind`: LoRA, DoRA, LoKr or
+    LoHa (train.adapter and its options)."""
     from accelerate import init_empty_weights
 
     cls, directory = adapter.denoiser_class(), adapter.denoiser_dir()
@@ -153,7 +155,7 @@ def build_local_model(adapter: Adapter, num_stages: int, stage: int, *, targets:
         lora_targets = target_module_names(denoiser, targets, adapter.lora_exclude())
         shapes = {n: (denoiser.get_submodule(n).out_features, denoiser.get_submodule(n).in_features)
                   for n in lora_targets}
-        add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype)
+        add_lora(denoiser, lora_targets, rank, alpha, dropout, dtype=adapter.dtype, kind=kind)
         init_lora_deterministic(denoiser, seed)
         if init_lora is not None:
             from diffusion_pipe.train.init_lora import init_lora_weights

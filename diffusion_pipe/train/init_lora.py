@@ -17,11 +17,7 @@ from pathlib import Path
 import torch
 
 from diffusion_pipe.config import ConfigError
-from diffusion_pipe.lora_keys import TensorDict
-
-# file key suffix -> which factor it is ("A" = down, "B" = up)
-_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B",
-             ".lora.down.weight": "A", ".lora.up.weight": "B"}
+from diffusion_pipe.lora_keys import TensorDict, split_key
 
 
 @dataclass(frozen=True)
@@ -32,16 +28,6 @@ class KeyMap:
     rows: torch.Tensor | None = None  # B[rows[i]] = file B[i]
     cols: torch.Tensor | None = None  # A[:, cols[j]] = file A[:, j]
     fused: tuple[str, ...] = ()
-
-
-def split_key(key: str) -> tuple[str, str] | None:
-    """(prefix, "A" | "B" | "alpha") of a LoRA tensor key, or None for any other key."""
-    if key.endswith(".alpha"):
-        return key[: -len(".alpha")], "alpha"
-    for suffix, which in _SUFFIXES.items():
-        if key.endswith(suffix):
-            return key[: -len(suffix)], which
-    return None
 
 
 def _aliases(prefix: str) -> list[str]:

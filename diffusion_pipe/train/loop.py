@@ -37,7 +37,7 @@ from diffusion_pipe.train.caption_dropout import CaptionDropout
 from diffusion_pipe.train.checkpoint import Checkpoints, agree_on_step, choose_checkpoint, step_dirs
 from diffusion_pipe.train.ema import Ema, ema_lora_path
 from diffusion_pipe.train.guards import diverged, step_is_finite
-from diffusion_pipe.train.lora import gather_lora
+from diffusion_pipe.train.lora import AdapterKind, gather_lora
 from diffusion_pipe.train.objectives import TrainingLoss
 from diffusion_pipe.train.optim import LossScaler, build_optimizer, check_optimizer_available
 from diffusion_pipe.train.samples import TrainingSamples
@@ -98,7 +98,8 @@ def deepspeed_config(train: TrainParams, dp_world: int) -> dict:
 # Train params added after runs existed that are left out of the run identity at these (their default) values, so
 # that a run from before them still resumes; any other value is another run.
 RECIPE_DEFAULTS = {"optimizer": "adamw", "optimizer_args": AdamWArgs(), "loss": "mse", "huber_c": 0.1,
-                   "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0, "mask_min_weight": 0.0}
+                   "timestep_range": (0.0, 1.0), "init_lora": "", "ema_decay": 0.0, "mask_min_weight": 0.0,
+                   "lora_dora": False, "lokr_factor": -1, "lokr_decompose_both": False}
 
 
 def run_identity(model: ModelParams, train: TrainParams, encoded_path: Path, text_max_length: int,
@@ -177,7 +178,8 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
                               targets=train.lora_targets or adapter.default_lora_targets, rank=train.lora_rank,
                               alpha=train.lora_alpha, dropout=train.lora_dropout, seed=train.seed,
                               base_dtype=model.base_dtype, full=train.adapter == "full",
-                              init_lora=Path(train.init_lora) if train.init_lora else None)
+                              init_lora=Path(train.init_lora) if train.init_lora else None,
+                              kind=AdapterKind.of(train))
     denoiser, targets = local.denoiser, local.lora_targets
 
     scaler = LossScaler(enabled=model.dtype == "float16")
@@ -277,7 +279,7 @@ def train_lora(model: ModelParams, train: TrainParams, encode: EncodeParams, enc
 
         writer = SummaryWriter(str(runs_root / "tensorboard" / run_id))
         print(f"train: run {run_id}, {len(train_rows)} train / {len(eval_rows)} eval samples, "
-              + (f"{len(targets)} LoRA modules, " if train.adapter == "lora" else "full fine-tune, ")
+              + (f"{len(targets)} {AdapterKind.of(train).label} modules, " if targets else "full fine-tune, ")
               + f"{sum(p.numel() for p in trainable)} trainable parameters on "
               f"stage 0, {train.pipeline_stages} stage(s) x {dp_world} data-parallel on {dist.device}"
               + (f"; resuming at step {resumed_from}" if resumed_from is not None else ""), file=sys.stderr)

@@ -18,6 +18,7 @@ from pathlib import Path
 from torch import nn
 from tqdm import tqdm
 
+from diffusion_pipe.adapter_keys import export_adapter
 from diffusion_pipe.config import ConfigError
 from diffusion_pipe.lora_keys import fold_scale
 from diffusion_pipe.fileio import naming_write_errors, write_bytes_atomic
@@ -66,7 +67,7 @@ class StepLoras:
         lora = gather_lora(self.denoiser, self.module)  # every rank takes part
         if self.rank != 0:
             return
-        # as export reads the final LoRA: float32 (train/loop.py writes it so), the scale folded into lora_B
+        # as export reads the final LoRA: float32 (train/loop.py writes it so), the scale folded in (lora_B, ...)
         folded = fold_scale({k: v.float().contiguous() for k, v in lora.items()}, self.lora_rank, self.lora_alpha)
         written = []
         for fmt in self.formats:
@@ -75,6 +76,6 @@ class StepLoras:
                         "diffusion_pipe.step": str(step), "diffusion_pipe.identity": self.identity}
             path = step_lora_path(self.run_dir, step, fmt)
             with naming_write_errors(path):  # a full disk names the file, not a temp name in an OSError
-                write_bytes_atomic(path, save_deterministic(self.adapter.export_lora(folded, fmt), metadata))
+                write_bytes_atomic(path, save_deterministic(export_adapter(self.adapter, folded, fmt), metadata))
             written.append(path.name)
         tqdm.write(f"train: step {step} LoRA: {', '.join(written)} in {self.run_dir}", file=sys.stderr)

@@ -7,6 +7,7 @@ implements `unsplit_forward`. Fixtures are class-scoped: the tiny model is built
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -17,12 +18,15 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from diffusion_pipe.adapter_keys import LYCORIS_FORMATS, export_adapter
+from diffusion_pipe.lora_keys import fold_scale
 from diffusion_pipe.models import REGISTRY, adapter_class
 from diffusion_pipe.models.base import Adapter, TensorDict
 from diffusion_pipe.models.common import is_image_processor_only
 from diffusion_pipe.train.data import noise_latents
-from diffusion_pipe.train.lora import add_lora, lora_state_dict, target_module_names
+from diffusion_pipe.train.lora import AdapterKind, add_lora, lora_state_dict, target_module_names
 from diffusion_pipe.train.pipeline import ensure_grad
+from tests.adapter_weights import exported_weight_errors
 
 MEDIA = {"image", "video"}
 TASKS = {"t2i", "t2v", "i2v", "edit"}
@@ -370,6 +374,31 @@ class AdapterContract:
         with pytest.raises(ValueError, match=f"export.formats: 'nope' is not supported by family '{adapter.name}' "
                            rf"\(supported: {', '.join(adapter.capabilities.export_formats)}\)"):
             adapter.export_lora(lora, "nope")
+
+    @pytest.mark.parametrize("kind", [AdapterKind("loha"), AdapterKind("lora", dora=True), AdapterKind("lokr")],
+                             ids=["loha", "dora", "lokr"])
+    def test_lycoris_and_dora_exports_apply_the_trained_weights(self, adapter, kind):
+        """LoHa, DoRA and LoKr on the default targets, every factor off its init, at alpha != rank: each ComfyUI /
+        kohya key, rebuilt with the LyCORIS formulas, makes the weight the trained peft modules make. LoHa always
+        exports; DoRA and LoKr may be refused, naming the fix, where the layout fuses projections (LoKr) or fuses
+        one of them with an untrained part (DoRA)."""
+        denoiser = adapter.load_denoiser(torch.device("cpu"))
+        add_lora(denoiser, target_module_names(denoiser, adapter.default_lora_targets, adapter.lora_exclude()),
+                 rank=4, alpha=8.0, dropout=0.0, kind=kind)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in denoiser.parameters():
+                if param.requires_grad:
+                    param.add_(0.3 * torch.randn(param.shape, generator=generator))
+        folded = fold_scale(lora_state_dict(denoiser), 4, 8.0)
+        for fmt in set(adapter.capabilities.export_formats) & set(LYCORIS_FORMATS):
+            try:
+                exported = export_adapter(adapter, folded, fmt)
+            except ValueError as exc:
+                assert kind.name != "loha" and re.search(r"fused .*(train adapter: loha|train\.lora_dora: false)",
+                                                         str(exc)), exc
+                continue
+            assert exported_weight_errors(adapter, denoiser, exported, fmt) == {}, fmt
 
     def test_sample_pipeline_renders_stored_embeddings(self, adapter, lora_model, tmp_path):
         """Samples during training: the family's pipeline over the LoRA-wrapped denoiser, with prompts as text

@@ -53,10 +53,10 @@ MAY_CHANGE_ON_RESUME = {
     "attention",  # one value left (flash); left out so that runs from when it had two continue
 }
 # Left out of the identity while they hold today's default (adamw, no args; mse, the whole schedule; no
-# init_lora; no EMA), so that runs from before they existed resume; any other value is another run
-# (test_the_optimizer_and_its_args_are_part_of_the_run).
+# init_lora; no EMA, no loss masks, no DoRA, LoKr's options), so that runs from before they existed resume; any
+# other value is another run (test_the_optimizer_and_its_args_are_part_of_the_run, tests/train/test_adapters.py).
 ABSENT_AT_DEFAULT = {"optimizer", "optimizer_args", "loss", "huber_c", "timestep_range", "init_lora", "ema_decay",
-                     "mask_min_weight"}
+                     "mask_min_weight", "lora_dora", "lokr_factor", "lokr_decompose_both"}
 # Another valid value of every other train param: changing any of them must start a new run.
 OTHER_VALUE = {
     "seed": 1, "steps": 200, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 2.0e-4,
@@ -71,10 +71,11 @@ OTHER_VALUE = {
     "samples": SampleParams(prompts=(SamplePrompt("a red cube"),)), "save_lora_every_steps": 10,
     "swap_prefetch": False, "optimizer": "adafactor",
     "loss": "pseudo_huber", "huber_c": 0.3, "timestep_range": (0.0, 0.5), "ema_decay": 0.999,
-    "mask_min_weight": 0.1,
+    "mask_min_weight": 0.1, "lora_dora": True, "lokr_factor": 4, "lokr_decompose_both": True,
 }
-# huber_c is read only with a Huber loss (with mse it is refused): it is walked from a run with one
-NEEDS = {"huber_c": {"loss": "huber"}}
+# huber_c is read only with a Huber loss (with mse it is refused), the lokr_ options only with adapter: lokr: each
+# is walked from a run with one
+NEEDS = {"huber_c": {"loss": "huber"}, "lokr_factor": {"adapter": "lokr"}, "lokr_decompose_both": {"adapter": "lokr"}}
 
 
 def test_every_train_param_is_in_the_run_identity_or_allowed_to_change_on_resume(encoded):
