@@ -7,6 +7,7 @@ diffusers + peft loop on the same model and shapes, measured in the same run.
     python bench/bench_train.py --shape dev --steps 12 --variants samples   # share of wall time spent sampling
     python bench/bench_train.py --shape dev --steps 20 --no-plain \
         --variants eager,opt-adamw8bit,opt-prodigy,opt-schedulefree_adamw,opt-adafactor,opt-muon   # optimizers
+    python bench/bench_train.py --shape dev --steps 20 --no-plain --variants eager,lokr,loha,dora   # adapter types
 
 The model is random-init (no weights can be downloaded), written in diffusers format and loaded back through
 the same `from_pretrained`/safetensors path a real checkpoint takes. Model FLOPs per step are counted by
@@ -155,6 +156,10 @@ VARIANTS = {
        for name in ("adamw8bit", "prodigy", "schedulefree_adamw", "adafactor", "muon")},
     **{f"full-{name}": {"plain": False, "adapter": "full", "optimizer": name}
        for name in ("adamw8bit", "prodigy", "schedulefree_adamw", "adafactor")},
+    # each adapter type beside LoRA (train.adapter: lokr | loha, train.lora_dora), at the bench's rank, against "eager"
+    "lokr": {"plain": False, "adapter": "lokr", "max_gpu_memory_gb": 80},
+    "loha": {"plain": False, "adapter": "loha", "max_gpu_memory_gb": 80},
+    "dora": {"plain": False, "lora_dora": True, "max_gpu_memory_gb": 80},
     # several samples a step: 4 micro-batches of 1 (gradient accumulation), 2 of 2, one of 2, eager and compiled;
     # the table's s/sample against "eager" / "compile" shows what each micro-batch costs beyond its compute
     **{f"{name}{suffix}": {"plain": False, "gradient_accumulation_steps": ga, "micro_batch_size": mb,
@@ -185,6 +190,7 @@ def write_params(path: Path, model_dir: Path, shape: dict, steps: int, device: s
 model: {{family: {family}, path: {model_dir}, dtype: bfloat16, base_dtype: "{base_dtype}"}}
 scan: {{datasets: [{{path: .}}]}}
 encode: {{text_max_length: {shape['text_len']}}}
+export: {{formats: [comfyui]}}
 train:
   steps: {steps}
   micro_batch_size: {variant.get("micro_batch_size", 1)}
