@@ -1266,6 +1266,10 @@ MUTATIONS: list[Mutation] = [
              '"lora_dora": False, "lokr_factor": -1,', '"lokr_factor": -1,',
              ("tests/train/test_adapters.py::test_run_identity_is_unchanged_at_the_defaults_and_changes_with_each_option",),
              "lora_dora at its default enters the run identity: every run from before it starts over"),
+    Mutation("gc-forgets-control-latents", "diffusion_pipe/store/reachable.py",
+             '"conditioning_latent_keys": "latent", ', "",
+             ("tests/store/test_cli.py::test_every_key_an_encoded_table_names_is_kept_and_carried",),
+             "store gc deletes the control images' latents a committed table needs; push does not carry them"),
 ]
 
 

@@ -26,15 +26,25 @@ class Reachable:
     unresolved: list[str] = field(default_factory=list)  # "commit md5" of tables missing from the DVC cache
 
 
+# Every column of an encoded table that names store entries, and their family: a sample's latent and caption, its
+# control images' latents, its tag orders' texts, the empty caption read with its image, its loss mask. The optional
+# ones are in a table only when a sample has them. (tests/store/test_cli.py checks this against the encode stage's
+# columns, so a new one cannot be left out: gc would delete its entries and push would not carry them.)
+KEY_COLUMNS = {"latent_key": "latent", "conditioning_latent_keys": "latent", "text_key": "text",
+               "text_variant_keys": "text", "empty_text_key": "text", "mask_key": "mask"}
+
+
 def table_keys(path: Path) -> set[tuple[str, str]]:
-    """(family, key) of every latent and text key of one encoded table, and of every loss mask's key."""
+    """(family, key) of every store entry one encoded table names (`KEY_COLUMNS`)."""
     import pyarrow.parquet as pq
 
-    masked = "mask_key" in pq.read_schema(path).names  # loss masks: only tables with a masked sample have it
-    table = pq.read_table(path, columns=["latent_key", "text_key", *(["mask_key"] if masked else [])])
-    return {("latent", k) for k in table.column("latent_key").to_pylist()} | {
-        ("text", k) for k in table.column("text_key").to_pylist()
-    } | ({("mask", k) for k in table.column("mask_key").to_pylist() if k} if masked else set())
+    columns = [name for name in pq.read_schema(path).names if name in KEY_COLUMNS]
+    table = pq.read_table(path, columns=columns)
+    keys: set[tuple[str, str]] = set()
+    for name in columns:
+        for value in table.column(name).to_pylist():
+            keys |= {(KEY_COLUMNS[name], k) for k in (value if isinstance(value, list) else [value]) if k}
+    return keys
 
 
 def _git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:

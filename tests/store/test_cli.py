@@ -240,3 +240,21 @@ def test_push_and_pull_without_an_encoded_table_say_what_to_run(verb: str, repo:
     (repo / "data/encoded.parquet").write_text("not a table")
     code, out = _run(verb, "--store", str(tmp_path / "store"), "--repo", str(repo), "--remote", str(tmp_path / "r"))
     assert code == 2 and f"error: cannot read the encoded table {repo}/data/encoded.parquet" in out
+
+
+def test_every_key_an_encoded_table_names_is_kept_and_carried(tmp_path: Path) -> None:
+    """A table with every optional key column (control images' latents, tag orders' texts, the empty caption read
+    with an image, a loss mask): each entry it names is reachable (so gc keeps it and push / pull carry it), and
+    no column of the encode stage's tables that names entries is left out."""
+    from diffusion_pipe.encode.encode import _OPTIONAL_COLUMNS, ENCODED_SCHEMA
+    from diffusion_pipe.store.reachable import KEY_COLUMNS, table_keys
+
+    names = [f.name for f in ENCODED_SCHEMA] + [f.name for f, _, _ in _OPTIONAL_COLUMNS]
+    assert {n for n in names if n.endswith(("_key", "_keys"))} == set(KEY_COLUMNS)
+    samples = [Sample("d", "0.png", "64x64x1", "train", 1, "h", "c", "lat0", "txt0", conditioning_keys=("ctl0",),
+                      variant_keys=("var0", "var1"), empty_text_key="empty0", mask_key="mask0"),
+               Sample("d", "1.png", "64x64x1", "train", 1, "h", "c", "lat1", "txt1")]
+    write_encoded_table(samples, tmp_path / "encoded.parquet")
+    assert table_keys(tmp_path / "encoded.parquet") == {
+        ("latent", "lat0"), ("latent", "lat1"), ("latent", "ctl0"), ("text", "txt0"), ("text", "txt1"),
+        ("text", "var0"), ("text", "var1"), ("text", "empty0"), ("mask", "mask0")}
