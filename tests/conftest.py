@@ -80,6 +80,13 @@ def run_stages(repo: Path, store: Path, stages: tuple[str, ...] = ("scan", "enco
         run_checked([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=run_env(store))
 
 
+def train_cmd(runs: Path, *more: str) -> list[str]:
+    """The train stage as a plain command writing under `runs`: out/lora.safetensors, report.json, loss.csv and
+    checkpoints/; `more`: its other options (--params FILE, ...)."""
+    return [sys.executable, "-m", "stages.train", "--runs", str(runs), "--out", str(runs / "out"),
+            "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv"), *more]
+
+
 def encoded_example(root: Path, params_edits: dict[str, str] | None) -> tuple[Path, Path]:
     """(repo, store) under `root`: the bundled example with `params_edits`, scanned and encoded (no DVC)."""
     store = root / "store"

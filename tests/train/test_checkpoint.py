@@ -19,7 +19,7 @@ import torch
 from diffusion_pipe.fileio import WriteError, naming_write_errors
 from diffusion_pipe.hashing import hash_file
 from diffusion_pipe.train.checkpoint import CheckpointError, check_step_dir, choose_checkpoint, find_newest_intact
-from tests.conftest import REPO, encoded_example, run_checked, run_env
+from tests.conftest import REPO, encoded_example, run_checked, run_env, train_cmd
 
 STEPS = 12
 PARAMS = {"steps: 120": f"steps: {STEPS}",
@@ -39,11 +39,6 @@ def whole(encoded_repo, tmp_path_factory):
     runs = tmp_path_factory.mktemp("whole")
     run_checked(train_cmd(runs), cwd=repo, env=run_env(store))
     return runs
-
-
-def train_cmd(runs: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "stages.train", "--runs", str(runs), "--out", str(runs / "out"),
-            "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv"), *more]
 
 
 def run_dir(runs: Path) -> Path:

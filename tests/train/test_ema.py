@@ -23,7 +23,7 @@ from diffusion_pipe.params import ExportParams, ModelParams, TrainParams, load_p
 from diffusion_pipe.train.ema import Ema
 from diffusion_pipe.train.loop import run_identity
 from diffusion_pipe.train.optim import LossScaler, MasterWeightAdamW
-from tests.conftest import REPO, encoded_example, run_checked, run_env
+from tests.conftest import REPO, encoded_example, run_checked, run_env, train_cmd
 
 DECAY = 0.9
 
@@ -170,8 +170,7 @@ def ema_run(tmp_path_factory):
     params.write_text((repo / "params.yaml").read_text().replace("learning_rate: 2.0e-3",
                                                                  f"learning_rate: 2.0e-2\n  ema_decay: {DECAY}"))
     runs = root / "runs"
-    cmd = [sys.executable, "-m", "stages.train", "--params", str(params), "--runs", str(runs), "--out",
-           str(runs / "out"), "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv")]
+    cmd = train_cmd(runs, "--params", str(params))
     run_checked(cmd, cwd=repo, env=run_env(store))
     whole = {f: (runs / f).read_bytes() for f in ("loss.csv", "out/lora.safetensors", "out/lora.ema.safetensors")}
     return repo, store, params, runs, cmd, whole

@@ -22,7 +22,7 @@ from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyAr
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available)
-from tests.conftest import encoded_example, run_checked, run_env
+from tests.conftest import encoded_example, run_checked, run_env, train_cmd
 
 CPU = torch.device("cpu")
 # what runs here: bitsandbytes' adamw8bit needs a CUDA GPU
@@ -296,8 +296,7 @@ def test_each_optimizer_trains_the_example_and_resumes_exactly(encoded_repo, tmp
     params = tmp_path / "params.yaml"
     params.write_text(_with_recipe((repo / "params.yaml").read_text(), name))
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "stages.train", "--params", str(params), "--runs", str(runs), "--out",
-           str(runs / "out"), "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv")]
+    cmd = train_cmd(runs, "--params", str(params))
     run_checked(cmd, cwd=repo, env=run_env(store))
     whole = {f: (runs / f).read_bytes() for f in ("loss.csv", "out/lora.safetensors")}
     report = json.loads((runs / "report.json").read_text())
