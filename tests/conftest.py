@@ -87,6 +87,21 @@ def train_cmd(runs: Path, *more: str) -> list[str]:
             "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv"), *more]
 
 
+def resumed_without(step_dir: Path, cmd: list[str], repo: Path, store: Path, whole: dict[str, bytes],
+                    report: dict) -> dict:
+    """The run of `cmd` (`train_cmd` under runs = `step_dir`'s grandparent) as it was when stopped just before it
+    saved `step_dir`, run again: it must end with the same files (`whole`: path under runs -> bytes) and the same
+    evaluations as `report`, the unbroken run's. Returns the resumed run's report."""
+    runs = step_dir.parent.parent.parent
+    shutil.rmtree(step_dir)
+    (runs / "out/lora.safetensors").unlink()
+    run_checked(cmd, cwd=repo, env=run_env(store))
+    resumed = json.loads((runs / "report.json").read_text())
+    assert {f: (runs / f).read_bytes() for f in whole} == whole
+    assert resumed["eval"] == report["eval"]
+    return resumed
+
+
 def encoded_example(root: Path, params_edits: dict[str, str] | None) -> tuple[Path, Path]:
     """(repo, store) under `root`: the bundled example with `params_edits`, scanned and encoded (no DVC)."""
     store = root / "store"

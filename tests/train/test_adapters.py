@@ -5,7 +5,6 @@ the trained peft modules apply (ComfyUI's LyCORIS keys, diffusers' DoRA)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from diffusion_pipe.params import ModelParams, TrainParams, load_params
 from diffusion_pipe.train.loop import run_identity
 from diffusion_pipe.train.lora import AdapterKind, add_lora, lora_state_dict, target_module_names
 from tests.adapter_weights import by_prefix, exported_weight_errors, in_layout, peft_weights
-from tests.conftest import encoded_example, run_checked, run_env, train_cmd
+from tests.conftest import encoded_example, resumed_without, run_checked, run_env, train_cmd
 from tests.train.test_optimizers import _exported_weights_match
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,13 +149,8 @@ def test_each_adapter_trains_the_example_and_resumes_exactly(encoded_repo, tmp_p
     last = load_file(step_loras[f"step-{STEPS:06d}.comfyui.safetensors"])  # written along the way, the same way
     assert exported.keys() == last.keys() and all(torch.equal(exported[k], last[k]) for k in exported)
 
-    shutil.rmtree(run_dir / f"step{STEPS}")  # the run as it was when stopped after its step-3 checkpoint
-    (runs / "out/lora.safetensors").unlink()
-    run_checked(cmd, cwd=repo, env=run_env(store))
-    resumed = json.loads((runs / "report.json").read_text())
-    assert resumed["resumed_from"] == 3
-    assert {f: (runs / f).read_bytes() for f in whole} == whole
-    assert resumed["eval"] == report["eval"]
+    # the run as it was when stopped after its step-3 checkpoint, run again
+    assert resumed_without(run_dir / f"step{STEPS}", cmd, repo, store, whole, report)["resumed_from"] == 3
 
 
 @pytest.mark.slow  # four short train runs, two of them on 2 processes: about 2 minutes

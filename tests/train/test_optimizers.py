@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 import sys
 import types
 from pathlib import Path
@@ -22,7 +21,7 @@ from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyAr
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available)
-from tests.conftest import encoded_example, run_checked, run_env, train_cmd
+from tests.conftest import encoded_example, resumed_without, run_checked, run_env, train_cmd
 
 CPU = torch.device("cpu")
 # what runs here: bitsandbytes' adamw8bit needs a CUDA GPU
@@ -311,13 +310,8 @@ def test_each_optimizer_trains_the_example_and_resumes_exactly(encoded_repo, tmp
 
     assert _exported_weights_match(runs / "out/lora.safetensors", run_dir / f"step{STEPS}")
 
-    shutil.rmtree(run_dir / f"step{STEPS}")  # the run as it was when stopped after its step-3 checkpoint
-    (runs / "out/lora.safetensors").unlink()
-    run_checked(cmd, cwd=repo, env=run_env(store))
-    resumed = json.loads((runs / "report.json").read_text())
-    assert resumed["resumed_from"] == 3
-    assert {f: (runs / f).read_bytes() for f in whole} == whole
-    assert resumed["eval"] == report["eval"]
+    # the run as it was when stopped after its step-3 checkpoint, run again
+    assert resumed_without(run_dir / f"step{STEPS}", cmd, repo, store, whole, report)["resumed_from"] == 3
 
 
 
