@@ -29,6 +29,7 @@ checkpoint) and is passed over.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import sys
@@ -250,7 +251,9 @@ class Checkpoints:
         for key, value in [*tensors.items(), *meta["state_scalars"].items()]:
             kind, name = key.split("/", 1)
             if kind != "master" and name in index:
-                optimizer_state.setdefault(index[name], {})[kind] = value
+                outer, inner = _NESTED.fullmatch(kind).groups()
+                slot = optimizer_state.setdefault(index[name], {})
+                (slot.setdefault(outer, {}) if inner is not None else slot)[inner or outer] = value
         self.optimizer.load_state_dict({
             "state": optimizer_state,
             "param_groups": groups, "masters": [tensors[f"master/{name}"] for name in self.names],
@@ -313,7 +316,7 @@ class Checkpoints:
         tensors = {f"master/{name}": master for name, master in zip(self.names, full["masters"])}
         scalars = {}  # plain numbers stay numbers: an optimizer may compute with a step count as a Python int
         for i, name in enumerate(self.names):
-            for kind, value in full["state"].get(i, {}).items():
+            for kind, value in _flat_state(full["state"].get(i, {})):
                 if torch.is_tensor(value):
                     tensors[f"{kind}/{name}"] = value
                 else:
@@ -323,6 +326,20 @@ class Checkpoints:
         meta = {"optimizer": self.optimizer.optimizer_class, "param_groups": groups, "loss_scaler": full["loss_scaler"],
                 "scheduler": self.scheduler.state_dict(), "engine": engine}
         return tensors, meta | ({"state_scalars": scalars} if scalars else {})
+
+
+# A parameter's optimizer state may nest one level: bitsandbytes' 8-bit optimizers keep their quantized state (the
+# uint8 moments, their absmax and quantile maps) under one key of the state, as a dict. Each value of it is saved
+# as `<key>[<sub key>]/<parameter name>`, and read back into the dict.
+_NESTED = re.compile(r"([^\[]*)(?:\[([^\]]*)\])?")
+
+
+def _flat_state(state: dict) -> list[tuple[str, object]]:
+    """(key, value) of a parameter's optimizer state, a nested dict's values as `key[sub key]`."""
+    flat: list[tuple[str, object]] = []
+    for kind, value in state.items():
+        flat += [(f"{kind}[{sub}]", v) for sub, v in value.items()] if isinstance(value, dict) else [(kind, value)]
+    return flat
 
 
 def _check_visible(path: Path, parts: list[tuple[str, dict[str, str], dict[str, int]]], dist: Dist,

@@ -20,7 +20,7 @@ from diffusion_pipe.config import ConfigError, from_dict
 from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyArgs, TrainParams
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
-                                        check_optimizer_available)
+                                        check_optimizer_available, master_weight_class)
 from tests.conftest import encoded_example, resumed_without, run_checked, run_env, train_cmd
 
 CPU = torch.device("cpu")
@@ -199,6 +199,49 @@ def test_state_through_a_checkpoint_continues_exactly(tmp_path, name):
     for key, value in opt.param_groups[0].items():
         if key != "params":
             assert fresh.param_groups[0][key] == value, key
+
+
+class _NestedStateAdamW(torch.optim.AdamW):
+    """torch's AdamW with each parameter's moments one level down in its state dict, as bitsandbytes' 8-bit
+    optimizers keep theirs (`__bnb_optimizer_quant_state__`: {state1, qmap1, absmax1, ...})."""
+
+    def state_dict(self):  # noqa: D102
+        full = super().state_dict()
+        full["state"] = {i: {"step": s["step"], "moments": {k: v for k, v in s.items() if k != "step"}}
+                         for i, s in full["state"].items()}
+        return full
+
+    def load_state_dict(self, state_dict):  # noqa: D102
+        state = {i: {"step": s["step"], **s["moments"]} for i, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": state})
+
+
+def test_an_optimizer_state_nested_a_level_goes_through_a_checkpoint_exactly(tmp_path):
+    """An optimizer whose per-parameter state holds a dict of tensors (bitsandbytes' adamw8bit does): each tensor
+    of it is saved under `<key>[<sub key>]/<name>` and read back into the dict; the loaded optimizer then steps
+    as the unbroken one, bit for bit. (It was a TypeError at the first checkpoint: a tensor in the JSON part.)"""
+    cls = master_weight_class(_NestedStateAdamW)
+
+    def build(params):
+        opt = cls(params, max_grad_norm=0.0, loss_scaler=LossScaler(False), lr=1e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    params = _params()
+    opt, scheduler = build(params)
+    for step in range(2):
+        _step(opt, params, step)
+        scheduler.step()
+    _checkpoints(tmp_path, params, opt, scheduler).save({"step": 2})
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run/step2/stage0.safetensors"), "pt") as f:
+        assert {k.split("/")[0] for k in f.keys()} == {"master", "step", "moments[exp_avg]", "moments[exp_avg_sq]"}
+    fresh_params = _params(seed=1)
+    fresh, fresh_scheduler = build(fresh_params)
+    _checkpoints(tmp_path, fresh_params, fresh, fresh_scheduler).load(tmp_path / "run" / "step2")
+    for step in (2, 3):
+        _step(opt, params, step)
+        _step(fresh, fresh_params, step)
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, fresh.masters))
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
