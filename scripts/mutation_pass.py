@@ -1120,7 +1120,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/train/test_loss_and_timesteps.py::test_huber_losses_are_the_squared_error_for_small_errors_and_linear_past_c",),
              "the Huber loss at half MSE's scale: a learning rate tuned on MSE silently halves"),
     Mutation("huber-loss-ignores-weights", "diffusion_pipe/train/objectives.py",
-             "flatten(1).mean(1)\n    return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()",
+             "flatten(1).mean(1)\n    return weighted_mean(per_sample, weights)",
              "flatten(1).mean(1)\n    return per_sample.mean()",
              ("tests/train/test_loss_and_timesteps.py::test_huber_losses_take_the_per_sample_weights_as_mse_does",),
              "min-SNR and dataset loss weights silently dropped under a Huber loss"),

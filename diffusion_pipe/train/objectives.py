@@ -164,7 +164,7 @@ def training_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch
     if kind == "mse":
         return mse_loss(prediction, target, weights)
     per_sample = elementwise_loss(prediction, target, kind, huber_c).flatten(1).mean(1)
-    return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
+    return weighted_mean(per_sample, weights)
 
 
 def masked_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None,
@@ -177,6 +177,11 @@ def masked_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.T
     error = elementwise_loss(prediction, target, kind, huber_c)
     w = element_weights.float().expand_as(error)
     per_sample = (error * w).flatten(1).sum(1) / w.flatten(1).sum(1).clamp_min(1e-12)
+    return weighted_mean(per_sample, weights)
+
+
+def weighted_mean(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The mean over a micro-batch of each sample's loss (B,) times its per-sample `weights` (None: 1)."""
     return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
 
 
