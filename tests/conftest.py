@@ -87,6 +87,15 @@ def train_cmd(runs: Path, *more: str) -> list[str]:
             "--report", str(runs / "report.json"), "--loss-plot", str(runs / "loss.csv"), *more]
 
 
+def trained_run(params: Path, runs: Path, repo: Path, store: Path) -> tuple[list[str], dict[str, bytes], dict]:
+    """The train stage run with `params` under `runs` (`train_cmd`): its command, the bytes of its loss plot and
+    LoRA (what `resumed_without` compares) and its report."""
+    cmd = train_cmd(runs, "--params", str(params))
+    run_checked(cmd, cwd=repo, env=run_env(store))
+    whole = {f: (runs / f).read_bytes() for f in ("loss.csv", "out/lora.safetensors")}
+    return cmd, whole, json.loads((runs / "report.json").read_text())
+
+
 def resumed_without(step_dir: Path, cmd: list[str], repo: Path, store: Path, whole: dict[str, bytes],
                     report: dict) -> dict:
     """The run of `cmd` (`train_cmd` under runs = `step_dir`'s grandparent) as it was when stopped just before it

@@ -19,7 +19,7 @@ from diffusion_pipe.params import ModelParams, TrainParams, load_params
 from diffusion_pipe.train.loop import run_identity
 from diffusion_pipe.train.lora import AdapterKind, add_lora, lora_state_dict, target_module_names
 from tests.adapter_weights import by_prefix, exported_weight_errors, in_layout, peft_weights
-from tests.conftest import encoded_example, resumed_without, run_checked, run_env, train_cmd
+from tests.conftest import encoded_example, resumed_without, run_checked, run_env, trained_run
 from tests.train.test_optimizers import _exported_weights_match
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,10 +125,7 @@ def test_each_adapter_trains_the_example_and_resumes_exactly(encoded_repo, tmp_p
     params = tmp_path / "params.yaml"
     params.write_text(text.replace("formats: [diffusers, comfyui]", f"formats: {formats}"))
     runs = tmp_path / "runs"
-    cmd = train_cmd(runs, "--params", str(params))
-    run_checked(cmd, cwd=repo, env=run_env(store))
-    whole = {f: (runs / f).read_bytes() for f in ("loss.csv", "out/lora.safetensors")}
-    report = json.loads((runs / "report.json").read_text())
+    cmd, whole, report = trained_run(params, runs, repo, store)
     assert report["eval_loss_end"] < report["eval_loss_start"], report
     trained = load_file(runs / "out/lora.safetensors")
     assert any(k.endswith(f".{TENSORS[name]}") for k in trained), sorted(trained)[:4]

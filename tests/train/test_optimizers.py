@@ -21,7 +21,7 @@ from diffusion_pipe.params import OPTIMIZER_ARGS, MuonArgs, Optimizer, ProdigyAr
 from diffusion_pipe.train.checkpoint import CheckpointError, Checkpoints
 from diffusion_pipe.train.optim import (OPTIMIZERS, LossScaler, MasterWeightAdamW, build_optimizer,
                                         check_optimizer_available, master_weight_class)
-from tests.conftest import encoded_example, resumed_without, run_checked, run_env, train_cmd
+from tests.conftest import encoded_example, resumed_without, run_checked, run_env, trained_run
 
 CPU = torch.device("cpu")
 # what runs here: bitsandbytes' adamw8bit needs a CUDA GPU
@@ -338,10 +338,7 @@ def test_each_optimizer_trains_the_example_and_resumes_exactly(encoded_repo, tmp
     params = tmp_path / "params.yaml"
     params.write_text(_with_recipe((repo / "params.yaml").read_text(), name))
     runs = tmp_path / "runs"
-    cmd = train_cmd(runs, "--params", str(params))
-    run_checked(cmd, cwd=repo, env=run_env(store))
-    whole = {f: (runs / f).read_bytes() for f in ("loss.csv", "out/lora.safetensors")}
-    report = json.loads((runs / "report.json").read_text())
+    cmd, whole, report = trained_run(params, runs, repo, store)
     assert report["eval_loss_end"] < report["eval_loss_start"], report
     (run_dir,) = (runs / "checkpoints").iterdir()
     identity = json.loads((run_dir / "identity.json").read_text())
